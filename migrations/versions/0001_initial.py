@@ -1,0 +1,65 @@
+"""Initial schema: inbox, outbox, dead letters, workers; producer functions.
+
+Revision ID: 0001
+Revises:
+Create Date: 2026-11-29
+"""
+
+from pathlib import Path
+
+from service.migration_sql import run_sql, run_sql_file
+
+revision = "0001"
+down_revision = None
+branch_labels = None
+depends_on = None
+
+FUNCTIONS = [
+    "functions/common_v1.sql",
+    "functions/consumers_v1.sql",
+    "functions/inbox_flow_v1.sql",
+    "functions/inbox_receive_v1.sql",
+    "functions/outbox_publish_v1.sql",
+    "functions/aliases_v1.sql",
+]
+
+TRIGGERS = """
+CREATE CONSTRAINT TRIGGER inbox_pending_commit AFTER INSERT ON postbox.inbox
+    DEFERRABLE INITIALLY DEFERRED FOR EACH ROW WHEN (NEW.state = 'pending')
+    EXECUTE FUNCTION postbox.inbox_pending_commit_v1();
+CREATE CONSTRAINT TRIGGER outbox_pending_commit AFTER INSERT ON postbox.outbox
+    DEFERRABLE INITIALLY DEFERRED FOR EACH ROW WHEN (NEW.state = 'pending')
+    EXECUTE FUNCTION postbox.outbox_pending_commit_v1();
+"""
+
+
+def upgrade() -> None:
+    run_sql(Path(__file__).with_name("0001_schema.sql").read_text(encoding="utf-8"))
+    for name in FUNCTIONS:
+        run_sql_file(name)
+    run_sql(TRIGGERS)
+
+
+def downgrade() -> None:
+    # Everything in schema postbox but Alembic's own version table.
+    run_sql(
+        """
+DO $$
+DECLARE r record;
+BEGIN
+    FOR r IN SELECT c.relname FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
+              WHERE n.nspname = 'postbox' AND c.relkind IN ('r', 'v', 'm', 'p') AND c.relname <> 'alembic_version'
+    LOOP
+        EXECUTE format('DROP %s IF EXISTS postbox.%I CASCADE',
+                       CASE WHEN EXISTS (SELECT 1 FROM pg_views WHERE schemaname = 'postbox' AND viewname = r.relname)
+                            THEN 'VIEW' ELSE 'TABLE' END, r.relname);
+    END LOOP;
+    FOR r IN SELECT p.oid::regprocedure AS sig FROM pg_proc p JOIN pg_namespace n ON n.oid = p.pronamespace
+              WHERE n.nspname = 'postbox'
+    LOOP
+        EXECUTE format('DROP FUNCTION IF EXISTS %s CASCADE', r.sig);
+    END LOOP;
+END
+$$;
+"""
+    )

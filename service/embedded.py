@@ -1,0 +1,35 @@
+"""An embedded PostgreSQL (the ``pgserver`` package) for machines without a database server."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+__all__ = ["embedded_server", "embedded_url", "resolve_database_url"]
+
+_servers: dict[Path, Any] = {}
+
+
+def embedded_server(data_dir: Path, *, cleanup: str | None = "stop") -> Any:
+    """Start (or reuse) the embedded server whose data lives in ``data_dir``.
+
+    ``cleanup="stop"`` stops it when the last Python user exits; ``None`` leaves it running.
+    """
+    import pgserver  # imported lazily: starting it is slow and most processes never need it
+
+    path = data_dir.resolve()
+    if path not in _servers:
+        path.mkdir(parents=True, exist_ok=True)
+        _servers[path] = pgserver.get_server(path, cleanup_mode=cleanup)
+    return _servers[path]
+
+
+def embedded_url(data_dir: Path, database: str = "postgres") -> str:
+    """The URL of the embedded server (started if needed), connecting over its Unix socket."""
+    server = embedded_server(data_dir)
+    return str(server.get_uri(database))
+
+
+def resolve_database_url(configured: str | None, data_dir: Path) -> str:
+    """``configured`` if given, else the embedded server's URL (starting it)."""
+    return configured if configured else embedded_url(data_dir)

@@ -1,0 +1,267 @@
+"""Messages as producers hand them to Postbox: validated pydantic models.
+
+Validation mirrors the SQL functions' checks (which stay the authority for any language), so a
+Python caller gets an error naming the field before its transaction is touched.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from enum import StrEnum
+from typing import Annotated, Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from service.errors import InvalidMessage
+
+__all__ = [
+    "InboxMessage",
+    "OutboxMessage",
+    "ReceiveResult",
+    "ReceiveStatus",
+    "invalid_message_from",
+    "to_json",
+]
+
+# Byte limits (UTF-8) that keep every value indexable by btree; the SQL functions use the same.
+CONSUMER_MAX_BYTES = 200
+MESSAGE_ID_MAX_BYTES = 512
+KEY_MAX_BYTES = 1024
+TYPE_MAX_BYTES = 200
+REF_MAX_BYTES = 512
+
+
+def _check_text(value: str | None, max_bytes: int) -> str | None:
+    if value is None:
+        return None
+    if value == "":
+        raise ValueError("must not be empty")
+    if "\x00" in value:
+        raise ValueError("must not contain NUL (\\u0000)")
+    size = len(value.encode("utf-8", "surrogatepass"))
+    if size > max_bytes:
+        raise ValueError(f"is {size} bytes, over the limit of {max_bytes}")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError("is not valid Unicode (lone surrogate)") from None
+    return value
+
+
+def _check_json(value: Any, path: str = "") -> None:
+    """Refuse what PostgreSQL's jsonb cannot hold or JSON cannot express."""
+    if isinstance(value, str):
+        if "\x00" in value:
+            raise ValueError(f"contains NUL (\\u0000) at {path or 'top level'}; jsonb cannot store it")
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ValueError(f"contains a lone surrogate at {path or 'top level'}") from None
+    elif isinstance(value, bool) or value is None or isinstance(value, int):
+        return
+    elif isinstance(value, float):
+        if not math.isfinite(value):
+            raise ValueError(f"contains {value!r} at {path or 'top level'}, which is not JSON")
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            if not isinstance(k, str):
+                raise ValueError(f"has a non-string object key {k!r} at {path or 'top level'}")
+            _check_json(k, f"{path}.{k}" if path else k)
+            _check_json(v, f"{path}.{k}" if path else k)
+    elif isinstance(value, list | tuple):
+        for i, v in enumerate(value):
+            _check_json(v, f"{path}[{i}]")
+    else:
+        raise ValueError(f"has a {type(value).__name__} at {path or 'top level'}, which is not JSON")
+
+
+def to_json(value: Any) -> str:
+    """Serialise a checked JSON value compactly (UTF-8 kept as is)."""
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+
+
+
+
+class _Common(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid", str_strip_whitespace=False)
+
+    payload: Any
+    key: str | None = None
+    type: str | None = None
+    message_id: str | None = None
+    headers: dict[str, Any] = Field(default_factory=dict)
+    correlation_id: str | None = None
+    causation_id: str | None = None
+
+    @field_validator("payload")
+    @classmethod
+    def _payload(cls, v: Any) -> Any:
+        _check_json(v)
+        return v
+
+    @field_validator("headers")
+    @classmethod
+    def _headers(cls, v: dict[str, Any]) -> dict[str, Any]:
+        _check_json(v)
+        return v
+
+    @field_validator("key")
+    @classmethod
+    def _key(cls, v: str | None) -> str | None:
+        return _check_text(v, KEY_MAX_BYTES)
+
+    @field_validator("type")
+    @classmethod
+    def _type(cls, v: str | None) -> str | None:
+        return _check_text(v, TYPE_MAX_BYTES)
+
+    @field_validator("message_id")
+    @classmethod
+    def _message_id(cls, v: str | None) -> str | None:
+        return _check_text(v, MESSAGE_ID_MAX_BYTES)
+
+    @field_validator("correlation_id", "causation_id")
+    @classmethod
+    def _refs(cls, v: str | None) -> str | None:
+        return _check_text(v, REF_MAX_BYTES)
+
+
+class InboxMessage(_Common):
+    """A message for the inbox of ``consumer``.
+
+    ``message_id`` is required: it is what deduplication keys on. ``key`` (default: the message id,
+    meaning no ordering) groups messages that must be processed one at a time in order; ``sequence``
+    orders them within the key for consumers in monotonic or gapless mode. Keys and ids are compared
+    exactly as given (no Unicode normalisation): normalise them yourself if producers may differ.
+    """
+
+    consumer: str
+    message_id: str  # type: ignore[assignment]
+    sequence: Annotated[int, Field(strict=True, ge=0)] | None = None
+    schema_version: Annotated[int, Field(strict=True, ge=1)] = 1
+    source: str | None = None
+
+    @field_validator("consumer")
+    @classmethod
+    def _consumer(cls, v: str) -> str:
+        checked = _check_text(v, CONSUMER_MAX_BYTES)
+        assert checked is not None
+        return checked
+
+    @field_validator("source")
+    @classmethod
+    def _source(cls, v: str | None) -> str | None:
+        return _check_text(v, REF_MAX_BYTES)
+
+    def params(self) -> dict[str, Any]:
+        """Bind parameters for the ``inbox_receive`` query."""
+        return {
+            "consumer": self.consumer,
+            "message_id": self.message_id,
+            "payload": to_json(self.payload),
+            "key": self.key,
+            "type": self.type,
+            "sequence": self.sequence,
+            "headers": to_json(self.headers),
+            "schema_version": self.schema_version,
+            "correlation_id": self.correlation_id,
+            "causation_id": self.causation_id,
+            "source": self.source,
+        }
+
+    def batch_item(self) -> dict[str, Any]:
+        """This message as an element of the batch function's JSON array."""
+        return {
+            "consumer": self.consumer,
+            "message_id": self.message_id,
+            "payload": self.payload,
+            "key": self.key,
+            "type": self.type,
+            "sequence": self.sequence,
+            "headers": self.headers,
+            "schema_version": self.schema_version,
+            "correlation_id": self.correlation_id,
+            "causation_id": self.causation_id,
+            "source": self.source,
+        }
+
+
+class OutboxMessage(_Common):
+    """An event for ``destination``; the relay publishes it after the writing transaction commits.
+
+    ``message_id`` defaults to a random UUID chosen by the database; rows of one ``key`` are
+    published in the order they were written.
+    """
+
+    destination: str
+
+    @field_validator("destination")
+    @classmethod
+    def _destination(cls, v: str) -> str:
+        checked = _check_text(v, CONSUMER_MAX_BYTES)
+        assert checked is not None
+        return checked
+
+    def params(self) -> dict[str, Any]:
+        """Bind parameters for the ``outbox_publish`` query."""
+        return {
+            "destination": self.destination,
+            "payload": to_json(self.payload),
+            "key": self.key,
+            "type": self.type,
+            "message_id": self.message_id,
+            "headers": to_json(self.headers),
+            "correlation_id": self.correlation_id,
+            "causation_id": self.causation_id,
+        }
+
+    def batch_item(self) -> dict[str, Any]:
+        """This event as an element of the batch function's JSON array."""
+        return {
+            "destination": self.destination,
+            "payload": self.payload,
+            "key": self.key,
+            "type": self.type,
+            "message_id": self.message_id,
+            "headers": self.headers,
+            "correlation_id": self.correlation_id,
+            "causation_id": self.causation_id,
+        }
+
+
+class ReceiveStatus(StrEnum):
+    """What a receive did: stored a new message, or recognised one seen before."""
+
+    NEW = "new"
+    DUPLICATE = "duplicate"
+    CONFLICT = "conflict"
+
+
+class ReceiveResult(BaseModel):
+    """Outcome of one receive. ``conflict`` means the id was seen before with another payload."""
+
+    model_config = ConfigDict(frozen=True)
+
+    status: ReceiveStatus
+    inbox_id: int
+
+    @property
+    def is_new(self) -> bool:
+        return self.status is ReceiveStatus.NEW
+
+    @property
+    def is_duplicate(self) -> bool:
+        return self.status is ReceiveStatus.DUPLICATE
+
+    @property
+    def is_conflict(self) -> bool:
+        return self.status is ReceiveStatus.CONFLICT
+
+
+def invalid_message_from(error: ValidationError, prefix: str = "") -> InvalidMessage:
+    """Turn pydantic's error into ours, naming the first offending field."""
+    first = error.errors()[0]
+    field = ".".join(str(p) for p in first["loc"]) or "message"
+    message = first["msg"].removeprefix("Value error, ")
+    return InvalidMessage(f"{prefix}{field}", message)

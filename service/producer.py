@@ -1,0 +1,203 @@
+"""The producer API: write to the inbox and outbox inside the caller's own transaction.
+
+Every function takes the caller's connection or session (psycopg or SQLAlchemy, sync or async),
+never opens one and never commits: the message becomes visible when the caller commits, and
+disappears with a rollback. Sync and async share the same validation and the same SQL; only the
+final call is awaited.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from pydantic import ValidationError
+
+from service.db import AnyAsyncConnection, AnySyncConnection, query, run, run_async
+from service.db.connector import first
+from service.errors import InvalidMessage
+from service.messages import (
+    InboxMessage,
+    OutboxMessage,
+    ReceiveResult,
+    ReceiveStatus,
+    invalid_message_from,
+    to_json,
+)
+
+__all__ = [
+    "declare_consumer",
+    "publish",
+    "publish_async",
+    "publish_many",
+    "publish_many_async",
+    "receive",
+    "receive_async",
+    "receive_many",
+    "receive_many_async",
+]
+
+
+def _inbox(message: InboxMessage | None, fields: dict[str, Any], prefix: str = "") -> InboxMessage:
+    if message is not None:
+        if fields:
+            raise TypeError("postbox: pass either a message or its fields, not both")
+        return message
+    try:
+        return InboxMessage(**fields)
+    except ValidationError as error:
+        raise invalid_message_from(error, prefix) from None
+
+
+def _outbox(message: OutboxMessage | None, fields: dict[str, Any], prefix: str = "") -> OutboxMessage:
+    if message is not None:
+        if fields:
+            raise TypeError("postbox: pass either a message or its fields, not both")
+        return message
+    try:
+        return OutboxMessage(**fields)
+    except ValidationError as error:
+        raise invalid_message_from(error, prefix) from None
+
+
+def _inbox_batch(messages: Iterable[InboxMessage | dict[str, Any]]) -> list[InboxMessage]:
+    checked = []
+    for i, m in enumerate(messages):
+        checked.append(m if isinstance(m, InboxMessage) else _inbox(None, m, f"messages[{i}]."))
+    return checked
+
+
+def _outbox_batch(messages: Iterable[OutboxMessage | dict[str, Any]]) -> list[OutboxMessage]:
+    checked = []
+    for i, m in enumerate(messages):
+        checked.append(m if isinstance(m, OutboxMessage) else _outbox(None, m, f"messages[{i}]."))
+    return checked
+
+
+def _receive_result(row: Sequence[Any]) -> ReceiveResult:
+    return ReceiveResult(status=ReceiveStatus(row[0]), inbox_id=row[1])
+
+
+# --- inbox -----------------------------------------------------------------------------------
+
+
+def receive(conn: AnySyncConnection, message: InboxMessage | None = None, /, **fields: Any) -> ReceiveResult:
+    """Receive one message into the inbox in ``conn``'s transaction.
+
+    Pass an :class:`InboxMessage` or its fields as keywords (``consumer``, ``message_id``,
+    ``payload``, ``key``, ``type``, ``sequence``, ``headers``, ...). Returns whether the message is
+    new, a duplicate, or a conflict (same id, other payload: nothing written). Raises
+    :class:`InvalidMessage` naming the field for bad input, before anything is written.
+    """
+    m = _inbox(message, fields)
+    return _receive_result(first(run(conn, query("inbox_receive"), m.params())))
+
+
+def receive_many(
+    conn: AnySyncConnection, messages: Iterable[InboxMessage | dict[str, Any]]
+) -> list[ReceiveResult]:
+    """Receive several messages in one round trip; results are in the same order."""
+    batch = _inbox_batch(messages)
+    if not batch:
+        return []
+    rows = run(conn, query("inbox_receive_batch"), {"messages": to_json([m.batch_item() for m in batch])})
+    return [_receive_result(r[1:]) for r in rows]
+
+
+async def receive_async(
+    conn: AnyAsyncConnection, message: InboxMessage | None = None, /, **fields: Any
+) -> ReceiveResult:
+    """:func:`receive` for psycopg ``AsyncConnection`` and SQLAlchemy async sessions/connections."""
+    m = _inbox(message, fields)
+    return _receive_result(first(await run_async(conn, query("inbox_receive"), m.params())))
+
+
+async def receive_many_async(
+    conn: AnyAsyncConnection, messages: Iterable[InboxMessage | dict[str, Any]]
+) -> list[ReceiveResult]:
+    """:func:`receive_many` for async connections."""
+    batch = _inbox_batch(messages)
+    if not batch:
+        return []
+    rows = await run_async(
+        conn, query("inbox_receive_batch"), {"messages": to_json([m.batch_item() for m in batch])}
+    )
+    return [_receive_result(r[1:]) for r in rows]
+
+
+# --- outbox ----------------------------------------------------------------------------------
+
+
+def publish(conn: AnySyncConnection, message: OutboxMessage | None = None, /, **fields: Any) -> int:
+    """Write one outbox event in ``conn``'s transaction; returns its outbox id.
+
+    Fields: ``destination``, ``payload``, ``key``, ``type``, ``message_id`` (default: a UUID),
+    ``headers``, ``correlation_id``, ``causation_id``.
+    """
+    m = _outbox(message, fields)
+    return int(first(run(conn, query("outbox_publish"), m.params()))[0])
+
+
+def publish_many(conn: AnySyncConnection, messages: Iterable[OutboxMessage | dict[str, Any]]) -> list[int]:
+    """Write several outbox events in one round trip; ids in the same order."""
+    batch = _outbox_batch(messages)
+    if not batch:
+        return []
+    rows = run(conn, query("outbox_publish_batch"), {"messages": to_json([m.batch_item() for m in batch])})
+    return [int(r[1]) for r in rows]
+
+
+async def publish_async(
+    conn: AnyAsyncConnection, message: OutboxMessage | None = None, /, **fields: Any
+) -> int:
+    """:func:`publish` for async connections."""
+    m = _outbox(message, fields)
+    return int(first(await run_async(conn, query("outbox_publish"), m.params()))[0])
+
+
+async def publish_many_async(
+    conn: AnyAsyncConnection, messages: Iterable[OutboxMessage | dict[str, Any]]
+) -> list[int]:
+    """:func:`publish_many` for async connections."""
+    batch = _outbox_batch(messages)
+    if not batch:
+        return []
+    rows = await run_async(
+        conn, query("outbox_publish_batch"), {"messages": to_json([m.batch_item() for m in batch])}
+    )
+    return [int(r[1]) for r in rows]
+
+
+# --- consumers -------------------------------------------------------------------------------
+
+SEQUENCE_MODES = ("arrival", "monotonic", "gapless")
+
+
+def declare_consumer(
+    conn: AnySyncConnection,
+    name: str,
+    *,
+    sequence_mode: str = "arrival",
+    first_sequence: int = 1,
+    late_policy: str = "dead_letter",
+    on_dead_letter: str = "block",
+    gap_timeout_seconds: float | None = None,
+) -> None:
+    """Declare (or update) a consumer and its ordering policies, in ``conn``'s transaction.
+
+    Once any consumer is declared, receiving for an undeclared one is refused.
+    """
+    if sequence_mode not in SEQUENCE_MODES:
+        raise InvalidMessage("sequence_mode", f"must be one of {', '.join(SEQUENCE_MODES)}")
+    run(
+        conn,
+        query("declare_consumer"),
+        {
+            "name": name,
+            "sequence_mode": sequence_mode,
+            "first_sequence": first_sequence,
+            "late_policy": late_policy,
+            "on_dead_letter": on_dead_letter,
+            "gap_timeout": None if gap_timeout_seconds is None else f"{gap_timeout_seconds} seconds",
+        },
+    )

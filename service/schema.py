@@ -1,0 +1,236 @@
+"""The declared database contract: every table of schema ``postbox`` as SQLAlchemy metadata.
+
+Alembic revisions build the schema; a test diffs what they build against this declaration, so the
+two cannot drift. Handlers may also use these tables with SQLAlchemy Core.
+"""
+
+from __future__ import annotations
+
+from sqlalchemy import (
+    BigInteger,
+    CheckConstraint,
+    Column,
+    Index,
+    Integer,
+    Interval,
+    LargeBinary,
+    MetaData,
+    PrimaryKeyConstraint,
+    Table,
+    Text,
+    text,
+)
+from sqlalchemy.dialects.postgresql import JSONB, TIMESTAMP
+
+__all__ = [
+    "SCHEMA",
+    "consumers",
+    "dead_letters",
+    "inbox",
+    "inbox_dedup",
+    "inbox_keys",
+    "metadata",
+    "outbox",
+    "workers",
+]
+
+SCHEMA = "postbox"
+metadata = MetaData(schema=SCHEMA)
+
+_C = Text(collation="C")
+_TS = TIMESTAMP(timezone=True)
+_NOW = text("now()")
+
+
+def _live_columns(queue: str) -> list[Column[object]]:
+    """Columns shared by the inbox and outbox: identity, routing and the retry bookkeeping."""
+    return [
+        Column("id", BigInteger, primary_key=True, autoincrement=True),
+        Column(queue, _C, nullable=False),
+        Column("message_id", _C, nullable=False),
+        Column("key", _C, nullable=False),
+    ]
+
+
+def _retry_columns() -> list[Column[object]]:
+    return [
+        Column("state", Text, nullable=False),
+        Column("available_at", _TS, nullable=False, server_default=_NOW),
+        Column("attempt", Integer, nullable=False, server_default=text("0")),
+        Column("first_failed_at", _TS),
+        Column("last_failed_at", _TS),
+        Column("next_retry_at", _TS),
+        Column("last_error", Text),
+        Column("last_error_type", Text),
+        Column("claimed_by", Text),
+        Column("claimed_at", _TS),
+    ]
+
+
+consumers = Table(
+    "consumers",
+    metadata,
+    Column("name", _C, primary_key=True),
+    Column("sequence_mode", Text, nullable=False, server_default=text("'arrival'")),
+    Column("first_sequence", BigInteger, nullable=False, server_default=text("1")),
+    Column("late_policy", Text, nullable=False, server_default=text("'dead_letter'")),
+    Column("on_dead_letter", Text, nullable=False, server_default=text("'block'")),
+    Column("gap_timeout", Interval),
+    Column("halted_at", _TS),
+    Column("halted_reason", Text),
+    Column("created_at", _TS, nullable=False, server_default=_NOW),
+    Column("updated_at", _TS, nullable=False, server_default=_NOW),
+)
+
+inbox_dedup = Table(
+    "inbox_dedup",
+    metadata,
+    Column("consumer", _C, nullable=False),
+    Column("message_id", _C, nullable=False),
+    Column("payload_hash", LargeBinary, nullable=False),
+    Column("inbox_id", BigInteger, nullable=False),
+    Column("received_at", _TS, nullable=False, server_default=_NOW),
+    PrimaryKeyConstraint("consumer", "message_id"),
+    Index("inbox_dedup_received_at_brin", "received_at", postgresql_using="brin"),
+)
+
+inbox = Table(
+    "inbox",
+    metadata,
+    *_live_columns("consumer"),
+    Column("sequence", BigInteger),
+    Column("position", BigInteger, nullable=False),
+    Column("type", Text),
+    Column("schema_version", Integer, nullable=False, server_default=text("1")),
+    Column("payload", JSONB, nullable=False),
+    Column("headers", JSONB, nullable=False, server_default=text("'{}'::jsonb")),
+    Column("correlation_id", Text),
+    Column("causation_id", Text),
+    Column("source", Text),
+    Column("received_at", _TS, nullable=False, server_default=_NOW),
+    *_retry_columns(),
+    CheckConstraint("state IN ('pending', 'ready', 'running', 'blocked')"),
+    Index("inbox_head_uq", "consumer", "key", unique=True, postgresql_where=text("state <> 'pending'")),
+    Index(
+        "inbox_claim_idx",
+        "consumer",
+        "available_at",
+        "id",
+        postgresql_where=text("state IN ('ready', 'running')"),
+    ),
+    Index(
+        "inbox_pending_idx",
+        "consumer",
+        "key",
+        "position",
+        "id",
+        postgresql_where=text("state = 'pending'"),
+    ),
+)
+
+inbox_keys = Table(
+    "inbox_keys",
+    metadata,
+    Column("consumer", _C, nullable=False),
+    Column("key", _C, nullable=False),
+    Column("last_sequence", BigInteger),
+    Column("last_done_at", _TS),
+    Column("gap_since", _TS),
+    PrimaryKeyConstraint("consumer", "key"),
+)
+
+outbox = Table(
+    "outbox",
+    metadata,
+    *_live_columns("destination"),
+    Column("position", BigInteger, nullable=False),
+    Column("type", Text),
+    Column("payload", JSONB, nullable=False),
+    Column("headers", JSONB, nullable=False, server_default=text("'{}'::jsonb")),
+    Column("correlation_id", Text),
+    Column("causation_id", Text),
+    Column("created_at", _TS, nullable=False, server_default=_NOW),
+    *_retry_columns(),
+    CheckConstraint("state IN ('pending', 'ready', 'running', 'blocked')"),
+    Index("outbox_head_uq", "destination", "key", unique=True, postgresql_where=text("state <> 'pending'")),
+    Index(
+        "outbox_claim_idx",
+        "destination",
+        "available_at",
+        "id",
+        postgresql_where=text("state IN ('ready', 'running')"),
+    ),
+    Index(
+        "outbox_pending_idx",
+        "destination",
+        "key",
+        "position",
+        "id",
+        postgresql_where=text("state = 'pending'"),
+    ),
+)
+
+dead_letters = Table(
+    "dead_letters",
+    metadata,
+    Column("id", BigInteger, primary_key=True, autoincrement=True),
+    Column("origin", Text, nullable=False),
+    Column("origin_id", BigInteger, nullable=False),
+    Column("consumer", _C),
+    Column("destination", _C),
+    Column("message_id", _C, nullable=False),
+    Column("key", _C, nullable=False),
+    Column("sequence", BigInteger),
+    Column("position", BigInteger, nullable=False),
+    Column("type", Text),
+    Column("schema_version", Integer, nullable=False, server_default=text("1")),
+    Column("payload", JSONB, nullable=False),
+    Column("headers", JSONB, nullable=False, server_default=text("'{}'::jsonb")),
+    Column("correlation_id", Text),
+    Column("causation_id", Text),
+    Column("source", Text),
+    Column("received_at", _TS, nullable=False),
+    Column("attempt", Integer, nullable=False),
+    Column("first_failed_at", _TS),
+    Column("last_failed_at", _TS),
+    Column("last_error", Text),
+    Column("last_error_type", Text),
+    Column("last_traceback", Text),
+    Column("reason", Text, nullable=False),
+    Column("fingerprint", Text),
+    Column("ordering_policy", Text, nullable=False),
+    Column("status", Text, nullable=False, server_default=text("'open'")),
+    Column("dead_lettered_at", _TS, nullable=False, server_default=_NOW),
+    Column("status_changed_at", _TS),
+    Index(
+        "dead_letters_open_uq",
+        "origin",
+        "origin_id",
+        unique=True,
+        postgresql_where=text("status IN ('open', 'replaying')"),
+    ),
+    Index(
+        "dead_letters_open_idx",
+        "consumer",
+        "type",
+        "dead_lettered_at",
+        postgresql_where=text("status = 'open'"),
+    ),
+    Index("dead_letters_message_idx", "message_id"),
+)
+
+workers = Table(
+    "workers",
+    metadata,
+    Column("id", _C, primary_key=True),
+    Column("kind", Text, nullable=False),
+    Column("queue", _C),
+    Column("host", Text, nullable=False),
+    Column("pid", Integer, nullable=False),
+    Column("concurrency", Integer, nullable=False, server_default=text("1")),
+    Column("version", Text),
+    Column("started_at", _TS, nullable=False, server_default=_NOW),
+    Column("heartbeat_at", _TS, nullable=False, server_default=_NOW),
+    Column("stopping_at", _TS),
+)
+

@@ -1,0 +1,180 @@
+-- Receive a message into the inbox inside the caller's transaction.
+-- Returns status 'new', 'duplicate' (same message_id and payload seen before for this consumer)
+-- or 'conflict' (same message_id, different payload: nothing written), and the inbox id.
+CREATE OR REPLACE FUNCTION postbox.inbox_receive_v1(
+    consumer        text,
+    message_id      text,
+    payload         jsonb,
+    key             text    DEFAULT NULL,
+    type            text    DEFAULT NULL,
+    sequence        bigint  DEFAULT NULL,
+    headers         jsonb   DEFAULT '{}'::jsonb,
+    schema_version  integer DEFAULT 1,
+    correlation_id  text    DEFAULT NULL,
+    causation_id    text    DEFAULT NULL,
+    source          text    DEFAULT NULL,
+    OUT status      text,
+    OUT inbox_id    bigint)
+LANGUAGE plpgsql VOLATILE AS $$
+#variable_conflict use_column
+DECLARE
+    v_consumer  text   := inbox_receive_v1.consumer;
+    v_key       text   := coalesce(inbox_receive_v1.key, inbox_receive_v1.message_id);
+    v_seq       bigint := inbox_receive_v1.sequence;
+    v_text      text;
+    v_hash      bytea;
+    v_mode      text;
+    v_first     bigint;
+    v_last      bigint;
+    v_id        bigint;
+    v_position  bigint;
+    v_state     text;
+    v_old       record;
+BEGIN
+    PERFORM postbox.check_text_v1(v_consumer, 'consumer', 200, true);
+    PERFORM postbox.check_text_v1(inbox_receive_v1.message_id, 'message_id', 512, true);
+    PERFORM postbox.check_text_v1(inbox_receive_v1.key, 'key', 1024, false);
+    PERFORM postbox.check_text_v1(inbox_receive_v1.type, 'type', 200, false);
+    PERFORM postbox.check_text_v1(inbox_receive_v1.correlation_id, 'correlation_id', 512, false);
+    PERFORM postbox.check_text_v1(inbox_receive_v1.causation_id, 'causation_id', 512, false);
+    PERFORM postbox.check_text_v1(inbox_receive_v1.source, 'source', 512, false);
+    IF inbox_receive_v1.payload IS NULL THEN
+        PERFORM postbox.reject_v1('payload', 'is required');
+    END IF;
+    IF v_seq < 0 THEN
+        PERFORM postbox.reject_v1('sequence', 'must not be negative');
+    END IF;
+    IF inbox_receive_v1.schema_version IS NULL OR inbox_receive_v1.schema_version < 1 THEN
+        PERFORM postbox.reject_v1('schema_version', 'must be a positive integer');
+    END IF;
+    IF inbox_receive_v1.headers IS NOT NULL AND jsonb_typeof(inbox_receive_v1.headers) <> 'object' THEN
+        PERFORM postbox.reject_v1('headers', 'must be a JSON object');
+    END IF;
+    v_text := inbox_receive_v1.payload::text;
+    IF octet_length(v_text) > postbox.max_payload_bytes_v1() THEN
+        PERFORM postbox.reject_v1('payload', format('is %s bytes, over the limit of %s (postbox.max_payload_bytes)',
+                                                    octet_length(v_text), postbox.max_payload_bytes_v1()));
+    END IF;
+
+    SELECT c.sequence_mode, c.first_sequence INTO v_mode, v_first
+      FROM postbox.consumers c WHERE c.name = v_consumer;
+    IF NOT FOUND THEN
+        IF EXISTS (SELECT 1 FROM postbox.consumers) THEN
+            PERFORM postbox.reject_v1('consumer', format('%L is not a declared consumer', v_consumer));
+        END IF;
+        v_mode := 'arrival';
+    END IF;
+    IF v_mode <> 'arrival' AND v_seq IS NULL THEN
+        PERFORM postbox.reject_v1('sequence', format('is required: consumer %L orders keys by sequence (%s)', v_consumer, v_mode));
+    END IF;
+
+    v_hash := decode(md5(v_text), 'hex');
+    v_id := nextval('postbox.inbox_id_seq');
+    INSERT INTO postbox.inbox_dedup (consumer, message_id, payload_hash, inbox_id)
+    VALUES (v_consumer, inbox_receive_v1.message_id, v_hash, v_id)
+    ON CONFLICT (consumer, message_id) DO NOTHING;
+    IF NOT FOUND THEN
+        SELECT d.payload_hash, d.inbox_id INTO v_old
+          FROM postbox.inbox_dedup d
+         WHERE d.consumer = v_consumer AND d.message_id = inbox_receive_v1.message_id;
+        status := CASE WHEN v_old.payload_hash = v_hash THEN 'duplicate' ELSE 'conflict' END;
+        inbox_id := v_old.inbox_id;
+        RETURN;
+    END IF;
+
+    v_position := CASE WHEN v_mode = 'arrival' THEN v_id ELSE v_seq END;
+    v_state := 'ready';
+    IF v_mode = 'gapless' THEN
+        SELECT k.last_sequence INTO v_last FROM postbox.inbox_keys k
+         WHERE k.consumer = v_consumer AND k.key = v_key;
+        IF v_seq <> coalesce(v_last + 1, v_first) THEN
+            v_state := 'pending';
+        END IF;
+    ELSIF v_mode = 'monotonic' THEN
+        SELECT k.last_sequence INTO v_last FROM postbox.inbox_keys k
+         WHERE k.consumer = v_consumer AND k.key = v_key;
+        IF v_seq <= v_last THEN
+            v_state := 'pending';   -- late: the promote step applies the consumer's late policy
+        END IF;
+    END IF;
+
+    IF v_state = 'ready' THEN
+        -- Become the head of the key unless it already has one (which we then queue behind).
+        INSERT INTO postbox.inbox AS i (id, consumer, message_id, key, sequence, position, type, schema_version,
+                                        payload, headers, correlation_id, causation_id, source, state)
+        VALUES (v_id, v_consumer, inbox_receive_v1.message_id, v_key, v_seq, v_position, inbox_receive_v1.type,
+                inbox_receive_v1.schema_version, inbox_receive_v1.payload, coalesce(inbox_receive_v1.headers, '{}'),
+                inbox_receive_v1.correlation_id, inbox_receive_v1.causation_id, inbox_receive_v1.source, 'ready')
+        ON CONFLICT (consumer, key) WHERE state <> 'pending' DO NOTHING;
+        IF NOT FOUND THEN
+            v_state := 'pending';
+        ELSIF postbox.notify_enabled_v1() THEN
+            PERFORM pg_notify('postbox_inbox', v_consumer);
+        END IF;
+    END IF;
+    IF v_state = 'pending' THEN
+        -- Queued behind the head; the commit trigger re-checks under the key lock, so a head that
+        -- finishes while this transaction is open can never leave this message without a head.
+        INSERT INTO postbox.inbox (id, consumer, message_id, key, sequence, position, type, schema_version,
+                                   payload, headers, correlation_id, causation_id, source, state)
+        VALUES (v_id, v_consumer, inbox_receive_v1.message_id, v_key, v_seq, v_position, inbox_receive_v1.type,
+                inbox_receive_v1.schema_version, inbox_receive_v1.payload, coalesce(inbox_receive_v1.headers, '{}'),
+                inbox_receive_v1.correlation_id, inbox_receive_v1.causation_id, inbox_receive_v1.source, 'pending');
+    END IF;
+    status := 'new';
+    inbox_id := v_id;
+END
+$$;
+COMMENT ON FUNCTION postbox.inbox_receive_v1(text, text, jsonb, text, text, bigint, jsonb, integer, text, text, text)
+    IS 'Receive one message in the caller''s transaction: (status new|duplicate|conflict, inbox_id). Nothing is visible to workers before the caller commits.';
+
+-- Batch form: messages is a JSON array of objects with the same fields as inbox_receive_v1.
+-- Returns one row per element, in order, with its 1-based ordinality.
+CREATE OR REPLACE FUNCTION postbox.inbox_receive_batch_v1(messages jsonb)
+RETURNS TABLE (ordinality bigint, status text, inbox_id bigint)
+LANGUAGE plpgsql VOLATILE AS $$
+#variable_conflict use_column
+DECLARE
+    m    jsonb;
+    n    bigint;
+    f    text;
+    r    record;
+BEGIN
+    IF messages IS NULL OR jsonb_typeof(messages) <> 'array' THEN
+        PERFORM postbox.reject_v1('messages', 'must be a JSON array');
+    END IF;
+    FOR m, n IN SELECT e.value, e.ordinality FROM jsonb_array_elements(messages) WITH ORDINALITY e LOOP
+        IF jsonb_typeof(m) <> 'object' THEN
+            PERFORM postbox.reject_v1(format('messages[%s]', n), 'must be a JSON object');
+        END IF;
+        FOREACH f IN ARRAY ARRAY['consumer', 'message_id', 'key', 'type', 'correlation_id', 'causation_id', 'source'] LOOP
+            IF jsonb_typeof(m -> f) NOT IN ('string', 'null') THEN
+                PERFORM postbox.reject_v1(format('messages[%s].%s', n, f), 'must be a string');
+            END IF;
+        END LOOP;
+        FOREACH f IN ARRAY ARRAY['sequence', 'schema_version'] LOOP
+            IF jsonb_typeof(m -> f) NOT IN ('number', 'null') OR (m ->> f) ~ '[.eE]' THEN
+                PERFORM postbox.reject_v1(format('messages[%s].%s', n, f), 'must be an integer');
+            END IF;
+        END LOOP;
+        SELECT * INTO r FROM postbox.inbox_receive_v1(
+            consumer       => m ->> 'consumer',
+            message_id     => m ->> 'message_id',
+            payload        => m -> 'payload',
+            key            => m ->> 'key',
+            type           => m ->> 'type',
+            sequence       => (m ->> 'sequence')::bigint,
+            headers        => coalesce(m -> 'headers', '{}'::jsonb),
+            schema_version => coalesce((m ->> 'schema_version')::integer, 1),
+            correlation_id => m ->> 'correlation_id',
+            causation_id   => m ->> 'causation_id',
+            source         => m ->> 'source');
+        ordinality := n;
+        status := r.status;
+        inbox_id := r.inbox_id;
+        RETURN NEXT;
+    END LOOP;
+END
+$$;
+COMMENT ON FUNCTION postbox.inbox_receive_batch_v1(jsonb)
+    IS 'Receive a JSON array of messages in the caller''s transaction; one (ordinality, status, inbox_id) row each.';

@@ -1,0 +1,150 @@
+-- Write an event to the outbox inside the caller's transaction (atomically with its business change).
+-- Returns the outbox row's id. message_id defaults to a random UUID; key defaults to message_id.
+CREATE OR REPLACE FUNCTION postbox.outbox_publish_v1(
+    destination     text,
+    payload         jsonb,
+    key             text   DEFAULT NULL,
+    type            text   DEFAULT NULL,
+    message_id      text   DEFAULT NULL,
+    headers         jsonb  DEFAULT '{}'::jsonb,
+    correlation_id  text   DEFAULT NULL,
+    causation_id    text   DEFAULT NULL)
+RETURNS bigint
+LANGUAGE plpgsql VOLATILE AS $$
+#variable_conflict use_column
+DECLARE
+    v_id    bigint;
+    v_mid   text := coalesce(outbox_publish_v1.message_id, gen_random_uuid()::text);
+    v_key   text;
+    v_text  text;
+BEGIN
+    PERFORM postbox.check_text_v1(outbox_publish_v1.destination, 'destination', 200, true);
+    PERFORM postbox.check_text_v1(outbox_publish_v1.message_id, 'message_id', 512, false);
+    PERFORM postbox.check_text_v1(outbox_publish_v1.key, 'key', 1024, false);
+    PERFORM postbox.check_text_v1(outbox_publish_v1.type, 'type', 200, false);
+    PERFORM postbox.check_text_v1(outbox_publish_v1.correlation_id, 'correlation_id', 512, false);
+    PERFORM postbox.check_text_v1(outbox_publish_v1.causation_id, 'causation_id', 512, false);
+    IF outbox_publish_v1.payload IS NULL THEN
+        PERFORM postbox.reject_v1('payload', 'is required');
+    END IF;
+    IF outbox_publish_v1.headers IS NOT NULL AND jsonb_typeof(outbox_publish_v1.headers) <> 'object' THEN
+        PERFORM postbox.reject_v1('headers', 'must be a JSON object');
+    END IF;
+    v_text := outbox_publish_v1.payload::text;
+    IF octet_length(v_text) > postbox.max_payload_bytes_v1() THEN
+        PERFORM postbox.reject_v1('payload', format('is %s bytes, over the limit of %s (postbox.max_payload_bytes)',
+                                                    octet_length(v_text), postbox.max_payload_bytes_v1()));
+    END IF;
+    v_key := coalesce(outbox_publish_v1.key, v_mid);
+    v_id := nextval('postbox.outbox_id_seq');
+    INSERT INTO postbox.outbox (id, destination, message_id, key, position, type, payload, headers,
+                                correlation_id, causation_id, state)
+    VALUES (v_id, outbox_publish_v1.destination, v_mid, v_key, v_id, outbox_publish_v1.type,
+            outbox_publish_v1.payload, coalesce(outbox_publish_v1.headers, '{}'),
+            outbox_publish_v1.correlation_id, outbox_publish_v1.causation_id, 'ready')
+    ON CONFLICT (destination, key) WHERE state <> 'pending' DO NOTHING;
+    IF FOUND THEN
+        IF postbox.notify_enabled_v1() THEN
+            PERFORM pg_notify('postbox_outbox', outbox_publish_v1.destination);
+        END IF;
+    ELSE
+        INSERT INTO postbox.outbox (id, destination, message_id, key, position, type, payload, headers,
+                                    correlation_id, causation_id, state)
+        VALUES (v_id, outbox_publish_v1.destination, v_mid, v_key, v_id, outbox_publish_v1.type,
+                outbox_publish_v1.payload, coalesce(outbox_publish_v1.headers, '{}'),
+                outbox_publish_v1.correlation_id, outbox_publish_v1.causation_id, 'pending');
+    END IF;
+    RETURN v_id;
+END
+$$;
+COMMENT ON FUNCTION postbox.outbox_publish_v1(text, jsonb, text, text, text, jsonb, text, text)
+    IS 'Write one outbox event in the caller''s transaction; returns its id. The relay publishes it after the caller commits.';
+
+-- Batch form: a JSON array of objects with the fields of outbox_publish_v1; one row per element.
+CREATE OR REPLACE FUNCTION postbox.outbox_publish_batch_v1(messages jsonb)
+RETURNS TABLE (ordinality bigint, outbox_id bigint)
+LANGUAGE plpgsql VOLATILE AS $$
+#variable_conflict use_column
+DECLARE
+    m    jsonb;
+    n    bigint;
+    f    text;
+BEGIN
+    IF messages IS NULL OR jsonb_typeof(messages) <> 'array' THEN
+        PERFORM postbox.reject_v1('messages', 'must be a JSON array');
+    END IF;
+    FOR m, n IN SELECT e.value, e.ordinality FROM jsonb_array_elements(messages) WITH ORDINALITY e LOOP
+        IF jsonb_typeof(m) <> 'object' THEN
+            PERFORM postbox.reject_v1(format('messages[%s]', n), 'must be a JSON object');
+        END IF;
+        FOREACH f IN ARRAY ARRAY['destination', 'message_id', 'key', 'type', 'correlation_id', 'causation_id'] LOOP
+            IF jsonb_typeof(m -> f) NOT IN ('string', 'null') THEN
+                PERFORM postbox.reject_v1(format('messages[%s].%s', n, f), 'must be a string');
+            END IF;
+        END LOOP;
+        ordinality := n;
+        outbox_id := postbox.outbox_publish_v1(
+            destination    => m ->> 'destination',
+            payload        => m -> 'payload',
+            key            => m ->> 'key',
+            type           => m ->> 'type',
+            message_id     => m ->> 'message_id',
+            headers        => coalesce(m -> 'headers', '{}'::jsonb),
+            correlation_id => m ->> 'correlation_id',
+            causation_id   => m ->> 'causation_id');
+        RETURN NEXT;
+    END LOOP;
+END
+$$;
+
+-- The outbox's head movement: like the inbox in arrival mode. Caller holds lock_key_v1(2, destination, key).
+CREATE OR REPLACE FUNCTION postbox.outbox_promote_v1(p_destination text, p_key text, p_now timestamptz,
+                                                     p_by_producer boolean DEFAULT false)
+RETURNS bigint
+LANGUAGE plpgsql VOLATILE AS $$
+DECLARE
+    v_row  postbox.outbox%ROWTYPE;
+BEGIN
+    IF current_setting('transaction_isolation') = 'read committed' THEN
+        PERFORM 1 FROM postbox.outbox WHERE destination = p_destination AND key = p_key AND state <> 'pending';
+    ELSE
+        PERFORM 1 FROM postbox.outbox WHERE destination = p_destination AND key = p_key AND state <> 'pending'
+            FOR KEY SHARE;
+    END IF;
+    IF FOUND THEN
+        RETURN NULL;
+    END IF;
+    SELECT * INTO v_row FROM postbox.outbox
+     WHERE destination = p_destination AND key = p_key AND state = 'pending'
+     ORDER BY position, id LIMIT 1;
+    IF NOT FOUND THEN
+        RETURN NULL;
+    END IF;
+    IF NOT p_by_producer THEN
+        UPDATE postbox.outbox SET state = 'ready', available_at = p_now WHERE id = v_row.id;
+        RETURN v_row.id;
+    END IF;
+    DELETE FROM postbox.outbox WHERE id = v_row.id;
+    v_row.state := 'ready';
+    v_row.available_at := p_now;
+    INSERT INTO postbox.outbox VALUES (v_row.*) ON CONFLICT (destination, key) WHERE state <> 'pending' DO NOTHING;
+    IF NOT FOUND THEN
+        v_row.state := 'pending';
+        INSERT INTO postbox.outbox VALUES (v_row.*);
+        RETURN NULL;
+    END IF;
+    IF postbox.notify_enabled_v1() THEN
+        PERFORM pg_notify('postbox_outbox', p_destination);
+    END IF;
+    RETURN v_row.id;
+END
+$$;
+
+CREATE OR REPLACE FUNCTION postbox.outbox_pending_commit_v1() RETURNS trigger
+LANGUAGE plpgsql AS $$
+BEGIN
+    PERFORM postbox.lock_key_v1(2, NEW.destination, NEW.key);
+    PERFORM postbox.outbox_promote_v1(NEW.destination, NEW.key, now(), true);
+    RETURN NULL;
+END
+$$;

@@ -1,0 +1,29 @@
+-- Producer queries: thin calls of the versioned SQL functions, so that Python and any other
+-- language go through exactly the same code in the database.
+
+-- name: inbox_receive
+SELECT status, inbox_id FROM postbox.inbox_receive_v1(
+    consumer => :consumer, message_id => :message_id, payload => CAST(:payload AS jsonb),
+    key => :key, type => :type, sequence => CAST(:sequence AS bigint),
+    headers => CAST(:headers AS jsonb), schema_version => CAST(:schema_version AS integer),
+    correlation_id => :correlation_id, causation_id => :causation_id, source => :source);
+
+-- name: inbox_receive_batch
+SELECT ordinality, status, inbox_id FROM postbox.inbox_receive_batch_v1(CAST(:messages AS jsonb))
+ORDER BY ordinality;
+
+-- name: outbox_publish
+SELECT postbox.outbox_publish_v1(
+    destination => :destination, payload => CAST(:payload AS jsonb), key => :key, type => :type,
+    message_id => :message_id, headers => CAST(:headers AS jsonb),
+    correlation_id => :correlation_id, causation_id => :causation_id);
+
+-- name: outbox_publish_batch
+SELECT ordinality, outbox_id FROM postbox.outbox_publish_batch_v1(CAST(:messages AS jsonb))
+ORDER BY ordinality;
+
+-- name: declare_consumer
+SELECT postbox.declare_consumer_v1(
+    name => :name, sequence_mode => :sequence_mode, first_sequence => CAST(:first_sequence AS bigint),
+    late_policy => :late_policy, on_dead_letter => :on_dead_letter,
+    gap_timeout => CAST(:gap_timeout AS interval));
