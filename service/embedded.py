@@ -20,7 +20,7 @@ def embedded_server(data_dir: Path, *, cleanup: str | None = "stop") -> Any:
     path = data_dir.resolve()
     if path not in _servers:
         path.mkdir(parents=True, exist_ok=True)
-        _servers[path] = pgserver.get_server(path, cleanup_mode=cleanup)
+        _servers[path] = pgserver.get_server(path, cleanup_mode=cleanup)  # type: ignore[attr-defined]
     return _servers[path]
 
 

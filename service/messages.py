@@ -53,7 +53,9 @@ def _check_json(value: Any, path: str = "") -> None:
     """Refuse what PostgreSQL's jsonb cannot hold or JSON cannot express."""
     if isinstance(value, str):
         if "\x00" in value:
-            raise ValueError(f"contains NUL (\\u0000) at {path or 'top level'}; jsonb cannot store it")
+            raise ValueError(
+                f"contains NUL (\\u0000) at {path or 'top level'}; jsonb cannot store it"
+            )
         try:
             value.encode("utf-8")
         except UnicodeEncodeError:
@@ -73,14 +75,14 @@ def _check_json(value: Any, path: str = "") -> None:
         for i, v in enumerate(value):
             _check_json(v, f"{path}[{i}]")
     else:
-        raise ValueError(f"has a {type(value).__name__} at {path or 'top level'}, which is not JSON")
+        raise ValueError(
+            f"has a {type(value).__name__} at {path or 'top level'}, which is not JSON"
+        )
 
 
 def to_json(value: Any) -> str:
     """Serialise a checked JSON value compactly (UTF-8 kept as is)."""
     return json.dumps(value, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
-
-
 
 
 class _Common(BaseModel):
@@ -137,7 +139,7 @@ class InboxMessage(_Common):
     """
 
     consumer: str
-    message_id: str  # type: ignore[assignment]
+    message_id: str
     sequence: Annotated[int, Field(strict=True, ge=0)] | None = None
     schema_version: Annotated[int, Field(strict=True, ge=1)] = 1
     source: str | None = None

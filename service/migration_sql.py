@@ -22,5 +22,5 @@ def run_sql(sql: str) -> None:
 
 
 def run_sql_file(relative: str) -> None:
-    """Execute ``sql/<relative>``; files there are versioned (``_v1``) and never edited once released."""
+    """Execute ``sql/<relative>``; files there are versioned (``_v1``), frozen once released."""
     run_sql((sql_dir() / relative).read_text(encoding="utf-8"))

@@ -110,7 +110,9 @@ inbox = Table(
     Column("received_at", _TS, nullable=False, server_default=_NOW),
     *_retry_columns(),
     CheckConstraint("state IN ('pending', 'ready', 'running', 'blocked')"),
-    Index("inbox_head_uq", "consumer", "key", unique=True, postgresql_where=text("state <> 'pending'")),
+    Index(
+        "inbox_head_uq", "consumer", "key", unique=True, postgresql_where=text("state <> 'pending'")
+    ),
     Index(
         "inbox_claim_idx",
         "consumer",
@@ -152,7 +154,13 @@ outbox = Table(
     Column("created_at", _TS, nullable=False, server_default=_NOW),
     *_retry_columns(),
     CheckConstraint("state IN ('pending', 'ready', 'running', 'blocked')"),
-    Index("outbox_head_uq", "destination", "key", unique=True, postgresql_where=text("state <> 'pending'")),
+    Index(
+        "outbox_head_uq",
+        "destination",
+        "key",
+        unique=True,
+        postgresql_where=text("state <> 'pending'"),
+    ),
     Index(
         "outbox_claim_idx",
         "destination",
@@ -233,4 +241,3 @@ workers = Table(
     Column("heartbeat_at", _TS, nullable=False, server_default=_NOW),
     Column("stopping_at", _TS),
 )
-

@@ -40,9 +40,12 @@ def _schema_diff(url: str) -> list[object]:
                 opts={
                     "compare_type": True,
                     "include_schemas": True,
-                    "include_name": lambda name, type_, parent: type_ != "schema" or name == "postbox",
-                    "include_object": lambda obj, name, type_, reflected, compare_to: name
-                    != "alembic_version",
+                    "include_name": lambda name, type_, parent: (
+                        type_ != "schema" or name == "postbox"
+                    ),
+                    "include_object": lambda obj, name, type_, reflected, compare_to: (
+                        name != "alembic_version"
+                    ),
                 },
             )
             diffs = compare_metadata(ctx, metadata)
@@ -61,7 +64,11 @@ def test_upgrade_downgrade_upgrade_round_trip(empty_database):
     url = empty_database.url
     migrate.upgrade(url)
     first = _objects(url)
-    assert ("rel", "inbox") in first and ("rel", "outbox") in first and ("rel", "dead_letters") in first
+    assert (
+        ("rel", "inbox") in first
+        and ("rel", "outbox") in first
+        and ("rel", "dead_letters") in first
+    )
     assert migrate.current_revision(url) == "0001"
     migrate.downgrade(url, "base")
     assert _objects(url) == set()
@@ -78,7 +85,10 @@ def test_migrations_build_the_declared_schema(database):
 def test_offline_ddl_applies_to_an_empty_database(empty_database):
     """`postbox migrate --sql` prints DDL that a DBA can apply to an empty database as is."""
     out = subprocess.run(
-        [sys.executable, "-m", "service", "migrate", "--sql"], capture_output=True, text=True, check=True
+        [sys.executable, "-m", "service", "migrate", "--sql"],
+        capture_output=True,
+        text=True,
+        check=True,
     ).stdout
     assert "CREATE TABLE postbox.inbox" in out
     assert "CREATE OR REPLACE FUNCTION postbox.inbox_receive_v1" in out

@@ -54,14 +54,14 @@ def _translated() -> Iterator[None]:
 
 
 def run(conn: AnySyncConnection, q: Query, params: dict[str, Any]) -> Rows:
-    """Execute ``q`` with ``params`` on ``conn`` and return all rows (empty if none)."""
+    """Execute ``q`` (a query that returns rows) with ``params`` on ``conn``; all its rows."""
     with _translated():
         if isinstance(conn, psycopg.Connection):
             cur = conn.execute(q.psycopg, params)
             return cur.fetchall() if cur.description else []
         if isinstance(conn, Session | SAConnection):
             result = conn.execute(text(q.text), params)
-            return [tuple(r) for r in result.all()] if result.returns_rows else []
+            return [tuple(r) for r in result.all()]
     raise TypeError(f"postbox: unsupported connection type {type(conn).__name__}")
 
 
@@ -73,7 +73,7 @@ async def run_async(conn: AnyAsyncConnection, q: Query, params: dict[str, Any]) 
             return await cur.fetchall() if cur.description else []
         if isinstance(conn, AsyncSession | SAAsyncConnection):
             result = await conn.execute(text(q.text), params)
-            return [tuple(r) for r in result.all()] if result.returns_rows else []
+            return [tuple(r) for r in result.all()]
     raise TypeError(f"postbox: unsupported connection type {type(conn).__name__}")
 
 

@@ -1,0 +1,29 @@
+# Postbox developer commands. `make test` and `make demo` work on a fresh machine with only Python:
+# without POSTBOX_DATABASE_URL / POSTBOX_TEST_DATABASE_URL an embedded PostgreSQL is started.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed-stamp
+PYTEST_ARGS ?=
+
+.PHONY: install lint test test-all chaos bench bench-quick demo clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+lint: install
+	$(BIN)/ruff check service tests migrations
+	$(BIN)/ruff format --check service tests migrations
+	$(BIN)/mypy
+	$(BIN)/lint-imports
+
+test: lint
+	$(BIN)/pytest $(PYTEST_ARGS)
+
+clean:
+	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache .hypothesis bench-results

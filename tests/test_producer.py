@@ -1,0 +1,426 @@
+"""The producer API and the SQL functions behind it: transactional, deduplicated, strict on input."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import unicodedata
+
+import psycopg
+import pytest
+from sqlalchemy import create_engine, text
+from sqlalchemy.ext.asyncio import create_async_engine
+from sqlalchemy.orm import Session
+
+import service
+from service import InboxMessage, InvalidMessage, ReceiveStatus
+from service.settings import sqlalchemy_url
+
+
+def count(conn, table: str, where: str = "true") -> int:
+    return conn.execute(f"SELECT count(*) FROM postbox.{table} WHERE {where}").fetchone()[0]
+
+
+def test_receive_is_visible_only_after_commit_and_rollback_leaves_nothing(database):
+    """A received message is invisible to others until commit; a rollback leaves no trace anywhere."""
+    with database.connect() as producer, database.connect(autocommit=True) as observer:
+        r = service.receive(producer, consumer="billing", message_id="m-1", payload={"n": 1})
+        assert r.status is ReceiveStatus.NEW
+        assert count(observer, "inbox") == 0
+        producer.rollback()
+        assert count(observer, "inbox") == 0 and count(observer, "inbox_dedup") == 0
+        service.receive(producer, consumer="billing", message_id="m-1", payload={"n": 1})
+        producer.commit()
+        assert count(observer, "inbox") == 1 and count(observer, "inbox_dedup") == 1
+
+
+def test_publish_rolls_back_with_the_callers_transaction(database):
+    """An outbox row written in a transaction that rolls back never exists."""
+    with database.connect() as producer, database.connect(autocommit=True) as observer:
+        oid = service.publish(producer, destination="orders", payload={"x": 1}, key="o-1")
+        assert oid > 0
+        producer.rollback()
+        assert count(observer, "outbox") == 0
+        ids = service.publish_many(
+            producer,
+            [{"destination": "orders", "payload": {"i": i}, "key": "o-1"} for i in range(3)],
+        )
+        producer.commit()
+        assert ids == sorted(ids) and len(ids) == 3
+        rows = observer.execute("SELECT id, state FROM postbox.outbox ORDER BY id").fetchall()
+        assert [s for _, s in rows] == ["ready", "pending", "pending"]
+
+
+def test_duplicate_and_conflict_are_reported(conn):
+    """Same id and payload is a duplicate; same id with another payload is a conflict; nothing new is stored."""
+    first = service.receive(conn, consumer="c", message_id="m", payload={"a": 1, "b": [1, 2]})
+    again = service.receive(conn, consumer="c", message_id="m", payload={"b": [1, 2], "a": 1})
+    other = service.receive(conn, consumer="c", message_id="m", payload={"a": 2})
+    elsewhere = service.receive(conn, consumer="d", message_id="m", payload={"a": 2})
+    assert first.is_new and again.is_duplicate and other.is_conflict and elsewhere.is_new
+    assert again.inbox_id == first.inbox_id == other.inbox_id
+    assert count(conn, "inbox") == 2
+
+
+def test_deduplication_outlives_processing(conn):
+    """A redelivery after the message left the inbox (processed) is still a duplicate."""
+    r = service.receive(conn, consumer="c", message_id="m", payload={})
+    conn.execute("DELETE FROM postbox.inbox WHERE id = %s", (r.inbox_id,))
+    assert service.receive(conn, consumer="c", message_id="m", payload={}).is_duplicate
+    assert count(conn, "inbox") == 0
+
+
+@pytest.mark.parametrize("first_outcome", ["commit", "rollback"])
+def test_concurrent_receive_of_one_id_has_one_winner(database, first_outcome):
+    """Two transactions receive the same id: the second waits for the first, then sees a duplicate
+    (first committed) or stores the message itself (first rolled back)."""
+    with database.connect() as a, database.connect() as b:
+        assert service.receive(a, consumer="c", message_id="race", payload={"v": 1}).is_new
+        result: dict[str, object] = {}
+
+        def second() -> None:
+            result["r"] = service.receive(b, consumer="c", message_id="race", payload={"v": 1})
+            b.commit()
+
+        t = threading.Thread(target=second)
+        t.start()
+        with database.connect(autocommit=True) as watcher:
+            # b must be waiting on a's unique-index entry before a decides.
+            for _ in range(500):
+                waiting = watcher.execute(
+                    "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()"
+                    " AND wait_event_type = 'Lock'"
+                ).fetchone()[0]
+                if waiting:
+                    break
+                threading.Event().wait(0.01)
+            assert waiting == 1
+        if first_outcome == "commit":
+            a.commit()
+        else:
+            a.rollback()
+        t.join(10)
+        r = result["r"]
+        assert isinstance(r, service.ReceiveResult)
+        assert r.status is (
+            ReceiveStatus.DUPLICATE if first_outcome == "commit" else ReceiveStatus.NEW
+        )
+        assert count(a, "inbox", "message_id = 'race'") == 1
+
+
+def test_keys_order_messages_one_head_per_key(conn):
+    """The first message of a key is its head (ready); later ones wait behind it (pending)."""
+    for i in range(3):
+        service.receive(conn, consumer="c", message_id=f"k1-{i}", key="k1", payload={"i": i})
+    service.receive(conn, consumer="c", message_id="k2-0", key="k2", payload={})
+    service.receive(conn, consumer="c", message_id="solo", payload={})
+    conn.commit()
+    rows = conn.execute("SELECT message_id, key, state FROM postbox.inbox ORDER BY id").fetchall()
+    assert rows == [
+        ("k1-0", "k1", "ready"),
+        ("k1-1", "k1", "pending"),
+        ("k1-2", "k1", "pending"),
+        ("k2-0", "k2", "ready"),
+        ("solo", "solo", "ready"),
+    ]
+
+
+def test_pending_message_becomes_head_if_its_head_finished_before_commit(database):
+    """The producer/worker race: a head that finishes while a producer's transaction is open must
+    not leave the producer's message without a head; the commit re-checks under the key lock."""
+    with database.connect() as producer, database.connect() as worker:
+        service.receive(worker, consumer="c", message_id="h", key="k", payload={})
+        worker.commit()
+        service.receive(producer, consumer="c", message_id="next", key="k", payload={})
+        # The "worker" finishes the head the way the worker does: key lock, delete, promote.
+        worker.execute("SELECT postbox.lock_key_v1(1, 'c', 'k')")
+        worker.execute("DELETE FROM postbox.inbox WHERE message_id = 'h'")
+        promoted = worker.execute("SELECT postbox.inbox_promote_v1('c', 'k', now())").fetchone()[0]
+        assert promoted is None  # the producer's row is not committed yet: nothing to promote
+        worker.commit()
+        producer.commit()
+        state = producer.execute(
+            "SELECT state FROM postbox.inbox WHERE message_id = 'next'"
+        ).fetchone()
+        assert state == ("ready",)
+
+
+# --- every connection kind -------------------------------------------------------------------
+
+
+def test_sqlalchemy_session_and_connection(database):
+    """receive/publish work on a SQLAlchemy Session and Connection, inside their transactions."""
+    engine = create_engine(sqlalchemy_url(database.url))
+    try:
+        with Session(engine) as session:
+            assert service.receive(session, consumer="c", message_id="s1", payload={"a": 1}).is_new
+            service.publish(session, destination="d", payload={"a": 1})
+            session.rollback()
+            assert service.receive(session, consumer="c", message_id="s1", payload={"a": 1}).is_new
+            results = service.receive_many(
+                session,
+                [
+                    InboxMessage(consumer="c", message_id="s1", payload={"a": 1}),
+                    {"consumer": "c", "message_id": "s2", "payload": 2},
+                ],
+            )
+            assert [r.status for r in results] == [ReceiveStatus.DUPLICATE, ReceiveStatus.NEW]
+            session.commit()
+        with engine.begin() as connection:
+            assert service.receive(connection, consumer="c", message_id="s3", payload=None).is_new
+            assert connection.execute(text("SELECT count(*) FROM postbox.inbox")).scalar() == 3
+    finally:
+        engine.dispose()
+
+
+def test_async_psycopg_and_sqlalchemy(database):
+    """The async forms do the same on psycopg AsyncConnection and SQLAlchemy AsyncSession."""
+    from sqlalchemy.ext.asyncio import AsyncSession
+
+    async def scenario() -> None:
+        async with await psycopg.AsyncConnection.connect(database.url) as aconn:
+            r = await service.receive_async(aconn, consumer="c", message_id="a1", payload={"x": 1})
+            assert r.is_new
+            await service.publish_async(aconn, destination="d", payload={})
+            await aconn.rollback()
+            many = await service.receive_many_async(
+                aconn, [{"consumer": "c", "message_id": f"a{i}", "payload": i} for i in range(3)]
+            )
+            assert all(m.is_new for m in many)
+            assert (
+                len(await service.publish_many_async(aconn, [{"destination": "d", "payload": 1}]))
+                == 1
+            )
+            await aconn.commit()
+        engine = create_async_engine(sqlalchemy_url(database.url))
+        try:
+            async with AsyncSession(engine) as session:
+                r = await service.receive_async(session, consumer="c", message_id="a0", payload=0)
+                assert r.is_duplicate
+                await session.commit()
+        finally:
+            await engine.dispose()
+
+    asyncio.run(scenario())
+    with database.connect() as c:
+        assert count(c, "inbox") == 3 and count(c, "outbox") == 1
+
+
+# --- bad input -------------------------------------------------------------------------------
+
+BAD = [
+    ({"message_id": ""}, "message_id"),
+    ({"consumer": ""}, "consumer"),
+    ({"key": ""}, "key"),
+    ({"key": "k" * 1025}, "key"),
+    ({"message_id": "é" * 257}, "message_id"),
+    ({"key": "a\x00b"}, "key"),
+    ({"payload": {"text": "a\x00b"}}, "payload"),
+    ({"payload": {"n": float("nan")}}, "payload"),
+    ({"payload": {1: "non-string key"}}, "payload"),
+    ({"payload": {"when": object()}}, "payload"),
+    ({"payload": "\ud800"}, "payload"),
+    ({"sequence": -1}, "sequence"),
+    ({"sequence": "3"}, "sequence"),
+    ({"sequence": 1.5}, "sequence"),
+    ({"schema_version": 0}, "schema_version"),
+    ({"headers": ["not", "an", "object"]}, "headers"),
+    ({"unexpected": 1}, "unexpected"),
+]
+
+
+@pytest.mark.parametrize(("change", "field"), BAD, ids=[f for _, f in BAD])
+def test_python_api_rejects_bad_input_naming_the_field(conn, change, field):
+    """Bad input raises InvalidMessage naming the field, and nothing is written."""
+    fields = {"consumer": "c", "message_id": "m", "payload": {"ok": True}, **change}
+    with pytest.raises(InvalidMessage) as info:
+        service.receive(conn, **fields)
+    assert info.value.field == field
+    assert count(conn, "inbox") == 0 and count(conn, "inbox_dedup") == 0
+
+
+def test_batch_errors_name_the_element(conn):
+    """In a batch, the error names the element and field; nothing of the batch is written."""
+    with pytest.raises(InvalidMessage) as info:
+        service.receive_many(
+            conn,
+            [
+                {"consumer": "c", "message_id": "ok", "payload": 1},
+                {"consumer": "c", "message_id": "", "payload": 1},
+            ],
+        )
+    assert info.value.field == "messages[1].message_id"
+    assert count(conn, "inbox") == 0
+
+
+SQL_BAD = [
+    ("consumer => '', message_id => 'm', payload => '{}'", "consumer"),
+    ("consumer => 'c', message_id => NULL, payload => '{}'", "message_id"),
+    ("consumer => 'c', message_id => 'm', payload => NULL", "payload"),
+    ("consumer => 'c', message_id => 'm', payload => '{}', key => repeat('k', 1025)", "key"),
+    ("consumer => 'c', message_id => 'm', payload => '{}', sequence => -5", "sequence"),
+    ("consumer => 'c', message_id => 'm', payload => '{}', headers => '[]'", "headers"),
+    ("consumer => 'c', message_id => 'm', payload => '{}', schema_version => 0", "schema_version"),
+]
+
+
+@pytest.mark.parametrize(("args", "field"), SQL_BAD, ids=[f for _, f in SQL_BAD])
+def test_sql_function_rejects_bad_input_naming_the_field(conn, args, field):
+    """Called from plain SQL, bad input fails with SQLSTATE 22023 and the field in the COLUMN field."""
+    with pytest.raises(psycopg.errors.InvalidParameterValue) as info:
+        conn.execute(f"SELECT * FROM postbox.inbox_receive({args})")
+    assert info.value.diag.column_name == field
+    assert field in info.value.diag.message_primary
+
+
+def test_non_json_payload_is_refused_by_sql(conn):
+    """A payload that is not JSON never reaches the table."""
+    with pytest.raises(psycopg.errors.InvalidTextRepresentation):
+        conn.execute("SELECT * FROM postbox.inbox_receive('c', 'm', 'not json')")
+    conn.rollback()
+    with pytest.raises(psycopg.errors.UntranslatableCharacter):
+        conn.execute("""SELECT * FROM postbox.inbox_receive('c', 'm', '{"a": "\\u0000"}')""")
+    conn.rollback()
+    assert count(conn, "inbox") == 0
+
+
+def test_payload_limit_is_configurable(conn):
+    """Payloads over postbox.max_payload_bytes are refused with the field named; the limit is a setting."""
+    conn.execute("SET postbox.max_payload_bytes = 100")
+    service.receive(conn, consumer="c", message_id="fits", payload="x" * 90)
+    with pytest.raises(InvalidMessage) as info:
+        service.receive(conn, consumer="c", message_id="big", payload="x" * 200)
+    assert info.value.field == "payload" and "over the limit of 100" in info.value.problem
+    conn.rollback()
+    with pytest.raises(InvalidMessage) as info:
+        service.receive(conn, consumer="c", message_id="big", payload="x" * 1_100_000)
+    assert info.value.field == "payload"  # the default limit is 1 MiB
+
+
+def test_unknown_consumer_is_refused_once_consumers_are_declared(conn):
+    """Undeclared consumers are accepted until the first declaration; then they are refused."""
+    assert service.receive(conn, consumer="anything", message_id="1", payload={}).is_new
+    service.declare_consumer(conn, "billing")
+    with pytest.raises(InvalidMessage) as info:
+        service.receive(conn, consumer="anything", message_id="2", payload={})
+    assert info.value.field == "consumer" and "not a declared consumer" in info.value.problem
+    conn.rollback()
+
+
+def test_sequenced_consumer_requires_sequence(conn):
+    """A consumer in monotonic or gapless mode refuses a message without a sequence."""
+    service.declare_consumer(conn, "ledger", sequence_mode="gapless")
+    with pytest.raises(InvalidMessage) as info:
+        service.receive(conn, consumer="ledger", message_id="1", payload={})
+    assert info.value.field == "sequence"
+
+
+def test_keys_are_compared_exactly_without_unicode_normalisation(conn):
+    """NFC and NFD spellings of a key are two keys (documented rule: no normalisation)."""
+    nfc = unicodedata.normalize("NFC", "café")
+    nfd = unicodedata.normalize("NFD", "café")
+    assert nfc != nfd
+    service.receive(conn, consumer="c", message_id="1", key=nfc, payload={})
+    service.receive(conn, consumer="c", message_id="2", key=nfd, payload={})
+    service.receive(
+        conn, consumer="c", message_id="3", key="'; DROP TABLE postbox.inbox; --", payload={}
+    )
+    rows = conn.execute("SELECT key, state FROM postbox.inbox ORDER BY id").fetchall()
+    assert rows == [(nfc, "ready"), (nfd, "ready"), ("'; DROP TABLE postbox.inbox; --", "ready")]
+
+
+# --- SQL and Python give the same results ----------------------------------------------------
+
+
+def test_sql_functions_match_the_python_api(database):
+    """The same messages received through plain SQL and through Python give identical rows."""
+    messages = [
+        {
+            "consumer": "c",
+            "message_id": "1",
+            "key": "k",
+            "payload": {"a": [1, 2]},
+            "type": "t",
+            "headers": {"h": "v"},
+            "correlation_id": "corr",
+            "causation_id": "cause",
+            "source": "topic",
+        },
+        {"consumer": "c", "message_id": "2", "key": "k", "payload": "text"},
+        {"consumer": "c", "message_id": "1", "key": "k", "payload": {"a": [1, 2]}},
+        {"consumer": "c", "message_id": "1", "key": "k", "payload": {"a": 3}},
+    ]
+    cols = (
+        "consumer, message_id, key, position - (SELECT min(id) FROM postbox.inbox), type, payload,"
+        " headers, correlation_id, causation_id, source, state, schema_version"
+    )
+
+    with database.connect() as py:
+        py_results = [service.receive(py, **m) for m in messages]
+        py_rows = py.execute(f"SELECT {cols} FROM postbox.inbox ORDER BY id").fetchall()
+        py.rollback()
+
+    with database.connect() as sql:
+        sql_results = []
+        for m in messages:
+            row = sql.execute(
+                "SELECT status, inbox_id FROM postbox.inbox_receive(consumer => %s, message_id => %s,"
+                " payload => %s::jsonb, key => %s, type => %s, headers => %s::jsonb,"
+                " correlation_id => %s, causation_id => %s, source => %s)",
+                (
+                    m["consumer"],
+                    m["message_id"],
+                    service.messages.to_json(m["payload"]),
+                    m.get("key"),
+                    m.get("type"),
+                    service.messages.to_json(m.get("headers", {})),
+                    m.get("correlation_id"),
+                    m.get("causation_id"),
+                    m.get("source"),
+                ),
+            ).fetchone()
+            sql_results.append(row[0])
+        sql_rows = sql.execute(f"SELECT {cols} FROM postbox.inbox ORDER BY id").fetchall()
+        batch = sql.execute(
+            "SELECT status FROM postbox.inbox_receive_batch(%s::jsonb) ORDER BY ordinality",
+            (service.messages.to_json(messages),),
+        ).fetchall()
+
+    assert (
+        [r.status.value for r in py_results]
+        == sql_results
+        == ["new", "new", "duplicate", "conflict"]
+    )
+    assert py_rows == sql_rows
+    assert [b[0] for b in batch] == ["duplicate", "duplicate", "duplicate", "conflict"]
+
+
+def test_outbox_sql_matches_python(conn):
+    """outbox_publish from SQL and publish() from Python write the same row shape."""
+    a = service.publish(
+        conn,
+        destination="d",
+        payload={"x": 1},
+        key="k",
+        type="t",
+        message_id="e-1",
+        headers={"h": "1"},
+        correlation_id="c",
+        causation_id="m",
+    )
+    b = conn.execute(
+        "SELECT postbox.outbox_publish(destination => 'd', payload => '{\"x\": 1}', key => 'k', type => 't',"
+        " message_id => 'e-2', headers => '{\"h\": \"1\"}', correlation_id => 'c', causation_id => 'm')"
+    ).fetchone()[0]
+    rows = conn.execute(
+        "SELECT destination, key, type, payload, headers, correlation_id, causation_id, state"
+        " FROM postbox.outbox WHERE id IN (%s, %s) ORDER BY id",
+        (a, b),
+    ).fetchall()
+    assert rows[0][:7] == rows[1][:7]
+    assert [r[7] for r in rows] == ["ready", "pending"]
+    generated = service.publish(conn, destination="d", payload=1)
+    mid = conn.execute(
+        "SELECT message_id, key FROM postbox.outbox WHERE id = %s", (generated,)
+    ).fetchone()
+    assert len(mid[0]) == 36 and mid[1] == mid[0]
