@@ -34,9 +34,7 @@ def _url(ctx: click.Context) -> str:
 
 @click.group()
 @click.option("--config", type=click.Path(path_type=Path), help="TOML configuration file.")
-@click.option(
-    "--database-url", envvar="POSTBOX_DATABASE_URL", help="PostgreSQL URL (default: embedded)."
-)
+@click.option("--database-url", envvar="POSTBOX_DATABASE_URL", help="PostgreSQL URL (default: embedded).")
 @click.pass_context
 def cli(ctx: click.Context, config: Path | None, database_url: str | None) -> None:
     """Postbox: transactional inbox and outbox on PostgreSQL."""
@@ -44,9 +42,7 @@ def cli(ctx: click.Context, config: Path | None, database_url: str | None) -> No
 
 
 @cli.command()
-@click.option(
-    "--sql", "as_sql", is_flag=True, help="Print the DDL instead of applying it (no connection)."
-)
+@click.option("--sql", "as_sql", is_flag=True, help="Print the DDL instead of applying it (no connection).")
 @click.option("--revision", default="head", show_default=True, help="Target revision.")
 @click.pass_context
 def migrate(ctx: click.Context, as_sql: bool, revision: str) -> None:
@@ -56,9 +52,7 @@ def migrate(ctx: click.Context, as_sql: bool, revision: str) -> None:
         return
     url = _url(ctx)
     migrations.upgrade(url, revision)
-    click.echo(
-        f"postbox: {mask_url(url)} is at revision {migrations.current_revision(url)}", err=True
-    )
+    click.echo(f"postbox: {mask_url(url)} is at revision {migrations.current_revision(url)}", err=True)
 
 
 @cli.command()
@@ -68,9 +62,7 @@ def downgrade(ctx: click.Context, revision: str) -> None:
     """Downgrade the database schema to REVISION (``base`` removes Postbox entirely)."""
     url = _url(ctx)
     migrations.downgrade(url, revision)
-    click.echo(
-        f"postbox: {mask_url(url)} is at revision {migrations.current_revision(url)}", err=True
-    )
+    click.echo(f"postbox: {mask_url(url)} is at revision {migrations.current_revision(url)}", err=True)
 
 
 def main() -> None:

@@ -53,9 +53,7 @@ def _check_json(value: Any, path: str = "") -> None:
     """Refuse what PostgreSQL's jsonb cannot hold or JSON cannot express."""
     if isinstance(value, str):
         if "\x00" in value:
-            raise ValueError(
-                f"contains NUL (\\u0000) at {path or 'top level'}; jsonb cannot store it"
-            )
+            raise ValueError(f"contains NUL (\\u0000) at {path or 'top level'}; jsonb cannot store it")
         try:
             value.encode("utf-8")
         except UnicodeEncodeError:
@@ -75,9 +73,7 @@ def _check_json(value: Any, path: str = "") -> None:
         for i, v in enumerate(value):
             _check_json(v, f"{path}[{i}]")
     else:
-        raise ValueError(
-            f"has a {type(value).__name__} at {path or 'top level'}, which is not JSON"
-        )
+        raise ValueError(f"has a {type(value).__name__} at {path or 'top level'}, which is not JSON")
 
 
 def to_json(value: Any) -> str:

@@ -49,9 +49,7 @@ def _inbox(message: InboxMessage | None, fields: dict[str, Any], prefix: str = "
         raise invalid_message_from(error, prefix) from None
 
 
-def _outbox(
-    message: OutboxMessage | None, fields: dict[str, Any], prefix: str = ""
-) -> OutboxMessage:
+def _outbox(message: OutboxMessage | None, fields: dict[str, Any], prefix: str = "") -> OutboxMessage:
     if message is not None:
         if fields:
             raise TypeError("postbox: pass either a message or its fields, not both")
@@ -83,9 +81,7 @@ def _receive_result(row: Sequence[Any]) -> ReceiveResult:
 # --- inbox -----------------------------------------------------------------------------------
 
 
-def receive(
-    conn: AnySyncConnection, message: InboxMessage | None = None, /, **fields: Any
-) -> ReceiveResult:
+def receive(conn: AnySyncConnection, message: InboxMessage | None = None, /, **fields: Any) -> ReceiveResult:
     """Receive one message into the inbox in ``conn``'s transaction.
 
     Pass an :class:`InboxMessage` or its fields as keywords (``consumer``, ``message_id``,
@@ -104,9 +100,7 @@ def receive_many(
     batch = _inbox_batch(messages)
     if not batch:
         return []
-    rows = run(
-        conn, query("inbox_receive_batch"), {"messages": to_json([m.batch_item() for m in batch])}
-    )
+    rows = run(conn, query("inbox_receive_batch"), {"messages": to_json([m.batch_item() for m in batch])})
     return [_receive_result(r[1:]) for r in rows]
 
 
@@ -144,16 +138,12 @@ def publish(conn: AnySyncConnection, message: OutboxMessage | None = None, /, **
     return int(first(run(conn, query("outbox_publish"), m.params()))[0])
 
 
-def publish_many(
-    conn: AnySyncConnection, messages: Iterable[OutboxMessage | dict[str, Any]]
-) -> list[int]:
+def publish_many(conn: AnySyncConnection, messages: Iterable[OutboxMessage | dict[str, Any]]) -> list[int]:
     """Write several outbox events in one round trip; ids in the same order."""
     batch = _outbox_batch(messages)
     if not batch:
         return []
-    rows = run(
-        conn, query("outbox_publish_batch"), {"messages": to_json([m.batch_item() for m in batch])}
-    )
+    rows = run(conn, query("outbox_publish_batch"), {"messages": to_json([m.batch_item() for m in batch])})
     return [int(r[1]) for r in rows]
 
 
@@ -208,8 +198,6 @@ def declare_consumer(
             "first_sequence": first_sequence,
             "late_policy": late_policy,
             "on_dead_letter": on_dead_letter,
-            "gap_timeout": None
-            if gap_timeout_seconds is None
-            else f"{gap_timeout_seconds} seconds",
+            "gap_timeout": None if gap_timeout_seconds is None else f"{gap_timeout_seconds} seconds",
         },
     )

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from sqlalchemy import (
     BigInteger,
+    Boolean,
     CheckConstraint,
     Column,
     Index,
@@ -78,6 +79,7 @@ consumers = Table(
     Column("gap_timeout", Interval),
     Column("halted_at", _TS),
     Column("halted_reason", Text),
+    Column("declared", Boolean, nullable=False, server_default=text("true")),
     Column("created_at", _TS, nullable=False, server_default=_NOW),
     Column("updated_at", _TS, nullable=False, server_default=_NOW),
 )
@@ -110,9 +112,7 @@ inbox = Table(
     Column("received_at", _TS, nullable=False, server_default=_NOW),
     *_retry_columns(),
     CheckConstraint("state IN ('pending', 'ready', 'running', 'blocked')"),
-    Index(
-        "inbox_head_uq", "consumer", "key", unique=True, postgresql_where=text("state <> 'pending'")
-    ),
+    Index("inbox_head_uq", "consumer", "key", unique=True, postgresql_where=text("state <> 'pending'")),
     Index(
         "inbox_claim_idx",
         "consumer",

@@ -71,8 +71,7 @@ def load_settings(config_file: Path | None = None, **overrides: Any) -> Settings
         return Settings.model_validate(merged)
     except ValidationError as error:
         problems = "; ".join(
-            f"{'.'.join(str(p) for p in e['loc']) or 'settings'}: {e['msg']}"
-            for e in error.errors()
+            f"{'.'.join(str(p) for p in e['loc']) or 'settings'}: {e['msg']}" for e in error.errors()
         )
         raise ConfigError(f"invalid configuration: {problems}") from None
 

@@ -40,9 +40,7 @@ def _schema_diff(url: str) -> list[object]:
                 opts={
                     "compare_type": True,
                     "include_schemas": True,
-                    "include_name": lambda name, type_, parent: (
-                        type_ != "schema" or name == "postbox"
-                    ),
+                    "include_name": lambda name, type_, parent: type_ != "schema" or name == "postbox",
                     "include_object": lambda obj, name, type_, reflected, compare_to: (
                         name != "alembic_version"
                     ),
@@ -64,11 +62,7 @@ def test_upgrade_downgrade_upgrade_round_trip(empty_database):
     url = empty_database.url
     migrate.upgrade(url)
     first = _objects(url)
-    assert (
-        ("rel", "inbox") in first
-        and ("rel", "outbox") in first
-        and ("rel", "dead_letters") in first
-    )
+    assert ("rel", "inbox") in first and ("rel", "outbox") in first and ("rel", "dead_letters") in first
     assert migrate.current_revision(url) == "0001"
     migrate.downgrade(url, "base")
     assert _objects(url) == set()

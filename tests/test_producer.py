@@ -102,9 +102,7 @@ def test_concurrent_receive_of_one_id_has_one_winner(database, first_outcome):
         t.join(10)
         r = result["r"]
         assert isinstance(r, service.ReceiveResult)
-        assert r.status is (
-            ReceiveStatus.DUPLICATE if first_outcome == "commit" else ReceiveStatus.NEW
-        )
+        assert r.status is (ReceiveStatus.DUPLICATE if first_outcome == "commit" else ReceiveStatus.NEW)
         assert count(a, "inbox", "message_id = 'race'") == 1
 
 
@@ -139,9 +137,7 @@ def test_pending_message_becomes_head_if_its_head_finished_before_commit(databas
         assert promoted is None  # the producer's row is not committed yet: nothing to promote
         worker.commit()
         producer.commit()
-        state = producer.execute(
-            "SELECT state FROM postbox.inbox WHERE message_id = 'next'"
-        ).fetchone()
+        state = producer.execute("SELECT state FROM postbox.inbox WHERE message_id = 'next'").fetchone()
         assert state == ("ready",)
 
 
@@ -187,10 +183,7 @@ def test_async_psycopg_and_sqlalchemy(database):
                 aconn, [{"consumer": "c", "message_id": f"a{i}", "payload": i} for i in range(3)]
             )
             assert all(m.is_new for m in many)
-            assert (
-                len(await service.publish_many_async(aconn, [{"destination": "d", "payload": 1}]))
-                == 1
-            )
+            assert len(await service.publish_many_async(aconn, [{"destination": "d", "payload": 1}])) == 1
             await aconn.commit()
         engine = create_async_engine(sqlalchemy_url(database.url))
         try:
@@ -322,9 +315,7 @@ def test_keys_are_compared_exactly_without_unicode_normalisation(conn):
     assert nfc != nfd
     service.receive(conn, consumer="c", message_id="1", key=nfc, payload={})
     service.receive(conn, consumer="c", message_id="2", key=nfd, payload={})
-    service.receive(
-        conn, consumer="c", message_id="3", key="'; DROP TABLE postbox.inbox; --", payload={}
-    )
+    service.receive(conn, consumer="c", message_id="3", key="'; DROP TABLE postbox.inbox; --", payload={})
     rows = conn.execute("SELECT key, state FROM postbox.inbox ORDER BY id").fetchall()
     assert rows == [(nfc, "ready"), (nfd, "ready"), ("'; DROP TABLE postbox.inbox; --", "ready")]
 
@@ -386,11 +377,7 @@ def test_sql_functions_match_the_python_api(database):
             (service.messages.to_json(messages),),
         ).fetchall()
 
-    assert (
-        [r.status.value for r in py_results]
-        == sql_results
-        == ["new", "new", "duplicate", "conflict"]
-    )
+    assert [r.status.value for r in py_results] == sql_results == ["new", "new", "duplicate", "conflict"]
     assert py_rows == sql_rows
     assert [b[0] for b in batch] == ["duplicate", "duplicate", "duplicate", "conflict"]
 
@@ -420,7 +407,5 @@ def test_outbox_sql_matches_python(conn):
     assert rows[0][:7] == rows[1][:7]
     assert [r[7] for r in rows] == ["ready", "pending"]
     generated = service.publish(conn, destination="d", payload=1)
-    mid = conn.execute(
-        "SELECT message_id, key FROM postbox.outbox WHERE id = %s", (generated,)
-    ).fetchone()
+    mid = conn.execute("SELECT message_id, key FROM postbox.outbox WHERE id = %s", (generated,)).fetchone()
     assert len(mid[0]) == 36 and mid[1] == mid[0]

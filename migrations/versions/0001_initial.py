@@ -20,7 +20,9 @@ FUNCTIONS = [
     "functions/inbox_flow_v1.sql",
     "functions/inbox_receive_v1.sql",
     "functions/outbox_publish_v1.sql",
+    "functions/inbox_worker_v1.sql",
     "functions/aliases_v1.sql",
+    "views/inbox_views_v1.sql",
 ]
 
 TRIGGERS = """

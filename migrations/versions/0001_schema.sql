@@ -16,6 +16,7 @@ CREATE TABLE postbox.consumers (
     gap_timeout     interval,
     halted_at       timestamptz,
     halted_reason   text,
+    declared        boolean NOT NULL DEFAULT true,
     created_at      timestamptz NOT NULL DEFAULT now(),
     updated_at      timestamptz NOT NULL DEFAULT now()
 );
@@ -25,6 +26,7 @@ COMMENT ON COLUMN postbox.consumers.first_sequence IS 'gapless mode: the sequenc
 COMMENT ON COLUMN postbox.consumers.late_policy IS 'What happens to a message whose sequence is not above the last processed one of its key.';
 COMMENT ON COLUMN postbox.consumers.on_dead_letter IS 'Ordering policy when a message is dead-lettered: block its key, skip to the next message, or halt the consumer.';
 COMMENT ON COLUMN postbox.consumers.gap_timeout IS 'gapless mode: how long a key may wait for a missing sequence before the gap is reported.';
+COMMENT ON COLUMN postbox.consumers.declared IS 'false for a row Postbox made itself (to halt an undeclared consumer); only declared rows make receiving strict.';
 COMMENT ON COLUMN postbox.consumers.halted_at IS 'Set while the consumer is halted: workers claim nothing until an operator resumes it.';
 
 CREATE TABLE postbox.inbox_dedup (

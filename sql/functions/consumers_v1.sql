@@ -29,7 +29,7 @@ BEGIN
     ON CONFLICT ON CONSTRAINT consumers_pkey DO UPDATE
        SET sequence_mode = excluded.sequence_mode, first_sequence = excluded.first_sequence,
            late_policy = excluded.late_policy, on_dead_letter = excluded.on_dead_letter,
-           gap_timeout = excluded.gap_timeout, updated_at = now();
+           gap_timeout = excluded.gap_timeout, declared = true, updated_at = now();
 END
 $$;
 COMMENT ON FUNCTION postbox.declare_consumer_v1(text, text, bigint, text, text, interval)

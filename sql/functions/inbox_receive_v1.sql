@@ -59,7 +59,7 @@ BEGIN
     SELECT c.sequence_mode, c.first_sequence INTO v_mode, v_first
       FROM postbox.consumers c WHERE c.name = v_consumer;
     IF NOT FOUND THEN
-        IF EXISTS (SELECT 1 FROM postbox.consumers) THEN
+        IF EXISTS (SELECT 1 FROM postbox.consumers c WHERE c.declared) THEN
             PERFORM postbox.reject_v1('consumer', format('%L is not a declared consumer', v_consumer));
         END IF;
         v_mode := 'arrival';

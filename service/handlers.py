@@ -1,0 +1,174 @@
+"""Handlers: plain Python functions (sync or async) registered per consumer and message type.
+
+A handler is called as ``handler(message, ctx)``. It succeeds by returning; it fails by raising (or
+returning) an outcome from :mod:`service.outcomes` or any exception, which is classified. Its
+database work goes through ``ctx.conn`` (psycopg) or ``ctx.session`` (SQLAlchemy), and commits in
+one transaction with the message's "done" mark and any ``ctx.publish(...)`` outbox rows.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+import psycopg
+from pydantic import BaseModel, ConfigDict
+from sqlalchemy.orm import Session
+
+from service.classify import Classifier, Rule
+from service.messages import OutboxMessage
+from service.policy import RetryPolicy
+
+__all__ = ["Context", "HandlerFunc", "HandlerSpec", "Message", "Registry"]
+
+
+class Message(BaseModel):
+    """An inbox message as a handler sees it."""
+
+    model_config = ConfigDict(frozen=True)
+
+    id: int
+    consumer: str
+    message_id: str
+    key: str
+    sequence: int | None
+    type: str | None
+    schema_version: int
+    payload: Any
+    headers: dict[str, Any]
+    correlation_id: str | None
+    causation_id: str | None
+    source: str | None
+    received_at: datetime
+    attempt: int
+    first_failed_at: datetime | None = None
+    last_error: str | None = None
+
+
+HandlerFunc = Callable[[Message, "Context"], Any | Awaitable[Any]]
+
+
+class Context:
+    """What a handler may use during one attempt. Valid only while the handler runs."""
+
+    def __init__(
+        self,
+        message: Message,
+        conn: psycopg.Connection[Any],
+        session_factory: Callable[[], Session],
+    ):
+        self.message = message
+        self.attempt = message.attempt
+        self.conn = conn
+        self._session_factory = session_factory
+        self._session: Session | None = None
+
+    @property
+    def idempotency_key(self) -> str:
+        """Stable across every attempt and replay of this message: pass it to external systems."""
+        return self.idempotency_key_for("")
+
+    def idempotency_key_for(self, operation: str) -> str:
+        """A stable key per logical operation of this message (several external calls, one each)."""
+        raw = f"{self.message.consumer}\x1f{self.message.message_id}\x1f{operation}"
+        return "pbx-" + hashlib.sha256(raw.encode()).hexdigest()[:32]
+
+    @property
+    def session(self) -> Session:
+        """A SQLAlchemy ``Session`` on the same connection and transaction as ``conn``."""
+        if self._session is None:
+            self._session = self._session_factory()
+        return self._session
+
+    def publish(self, destination: str, payload: Any, **fields: Any) -> int:
+        """Write an outbox event in this transaction; correlation and causation follow this message."""
+        from service.producer import publish
+
+        fields.setdefault("correlation_id", self.message.correlation_id or self.message.message_id)
+        fields.setdefault("causation_id", self.message.message_id)
+        return publish(self.conn, OutboxMessage(destination=destination, payload=payload, **fields))
+
+    def _close_session(self) -> None:
+        if self._session is not None:
+            self._session.flush()
+            self._session.close()
+            self._session = None
+
+
+@dataclass(frozen=True)
+class HandlerSpec:
+    func: HandlerFunc
+    consumer: str
+    type: str | None
+    idempotent: bool = False
+    timeout: float | None = None
+    retry: RetryPolicy | None = None
+    on_dead_letter: str | None = None
+
+
+@dataclass
+class Registry:
+    """Handlers by consumer and message type (``type=None`` handles every type without its own)."""
+
+    handlers: dict[tuple[str, str | None], HandlerSpec] = field(default_factory=dict)
+    retry_policies: dict[str, RetryPolicy] = field(default_factory=dict)
+    rules: list[Rule] = field(default_factory=list)
+
+    def handler(
+        self,
+        consumer: str,
+        type: str | None = None,
+        *,
+        idempotent: bool = False,
+        timeout: float | None = None,
+        retry: RetryPolicy | None = None,
+        on_dead_letter: str | None = None,
+    ) -> Callable[[HandlerFunc], HandlerFunc]:
+        """Decorator: register ``func`` for ``consumer`` and ``type``."""
+
+        def register(func: HandlerFunc) -> HandlerFunc:
+            self.add(
+                func,
+                consumer,
+                type,
+                idempotent=idempotent,
+                timeout=timeout,
+                retry=retry,
+                on_dead_letter=on_dead_letter,
+            )
+            return func
+
+        return register
+
+    def add(
+        self,
+        func: HandlerFunc,
+        consumer: str,
+        type: str | None = None,
+        *,
+        idempotent: bool = False,
+        timeout: float | None = None,
+        retry: RetryPolicy | None = None,
+        on_dead_letter: str | None = None,
+    ) -> None:
+        if (consumer, type) in self.handlers:
+            raise ValueError(f"postbox: a handler for consumer {consumer!r} type {type!r} exists already")
+        if on_dead_letter not in (None, "block", "skip", "halt"):
+            raise ValueError("postbox: on_dead_letter must be block, skip or halt")
+        if timeout is not None and timeout <= 0:
+            raise ValueError("postbox: timeout must be positive")
+        self.handlers[(consumer, type)] = HandlerSpec(
+            func, consumer, type, idempotent, timeout, retry, on_dead_letter
+        )
+
+    def lookup(self, consumer: str, type: str | None) -> HandlerSpec | None:
+        return self.handlers.get((consumer, type)) or self.handlers.get((consumer, None))
+
+    def consumers(self) -> set[str]:
+        return {c for c, _ in self.handlers}
+
+    def classifier(self) -> Classifier:
+        return Classifier(tuple(self.rules))

@@ -1,0 +1,611 @@
+"""The inbox worker: claims heads of keys, runs handlers, commits effects with the "done" mark.
+
+One process runs ``concurrency`` slots (threads), each with its own connection. A slot claims a
+batch (one short transaction that counts a delivery on each message), then processes the batch in
+one transaction: every message in its own savepoint, its handler's effects and its done mark (or
+its failure record) committed together. Retries are rows with a later ``available_at``; nothing
+waits in memory. LISTEN/NOTIFY wakes idle slots; polling is the fallback.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+import os
+import random
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+import psycopg
+from sqlalchemy import create_engine
+from sqlalchemy.engine import Connection as SAConnection
+from sqlalchemy.engine import Engine, RootTransaction
+from sqlalchemy.orm import Session
+from sqlalchemy.pool import StaticPool
+
+from service.classify import Classification, Classifier, fingerprint
+from service.clock import Clock, SystemClock
+from service.db import query
+from service.handlers import Context, Message, Registry
+from service.policy import DeadLetter, FailureKind, RetryAt, RetryPolicy, decide
+
+__all__ = ["Worker", "WorkerSettings"]
+
+log = logging.getLogger("postbox.worker")
+
+_MESSAGE_FIELDS = (
+    "id", "consumer", "message_id", "key", "sequence", "type", "schema_version", "payload", "headers",
+    "correlation_id", "causation_id", "source", "received_at", "attempt", "first_failed_at", "last_error",
+)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class WorkerSettings:
+    """How a worker process runs. Times are seconds."""
+
+    consumer: str
+    concurrency: int = 2
+    batch_size: int = 20
+    poll_interval: float = 1.0
+    listen: bool = True
+    handler_timeout: float = 30.0
+    lease: float | None = None  # default: handler_timeout * batch_size + 30
+    heartbeat_interval: float = 5.0
+    stale_after: float = 30.0
+    grace_period: float = 30.0
+    retry: RetryPolicy = field(default_factory=RetryPolicy)
+
+    def __post_init__(self) -> None:
+        for name in ("concurrency", "batch_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"postbox: {name} must be at least 1")
+        for name in ("poll_interval", "handler_timeout", "heartbeat_interval", "stale_after"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"postbox: {name} must be positive")
+        if self.stale_after <= self.heartbeat_interval:
+            raise ValueError("postbox: stale_after must be longer than heartbeat_interval")
+
+    @property
+    def lease_seconds(self) -> float:
+        return self.lease if self.lease is not None else self.handler_timeout * self.batch_size + 30.0
+
+
+class _Stop(Exception):
+    """Raised inside a slot when the worker aborts after its grace period."""
+
+
+class Worker:
+    """A worker process's machinery. ``run()`` blocks until ``stop()``; tests use ``start()``."""
+
+    def __init__(
+        self,
+        url: str,
+        registry: Registry,
+        settings: WorkerSettings,
+        *,
+        clock: Clock | None = None,
+        rng: random.Random | None = None,
+        on_event: Callable[[str, dict[str, Any]], None] | None = None,
+    ) -> None:
+        self.url = url
+        self.registry = registry
+        self.settings = settings
+        self.clock = clock or SystemClock()
+        self.rng = rng or random.Random()
+        self.on_event = on_event
+        self.id = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+        self.classifier: Classifier = registry.classifier()
+        self._stopping = threading.Event()
+        self._aborting = threading.Event()
+        self._wake = threading.Condition()
+        self._generation = 0
+        self._threads: list[threading.Thread] = []
+        self._slots: list[_Slot] = []
+        if not any(c == settings.consumer for c in registry.consumers()):
+            raise ValueError(f"postbox: the registry has no handler for consumer {settings.consumer!r}")
+
+    # --- lifecycle -------------------------------------------------------------------------
+
+    def start(self) -> None:
+        with psycopg.connect(self.url, autocommit=True) as conn:
+            self._heartbeat(conn)
+        self._slots = [_Slot(self, i) for i in range(self.settings.concurrency)]
+        self._threads = [
+            threading.Thread(target=s.run, name=f"postbox-slot-{s.index}", daemon=True) for s in self._slots
+        ]
+        self._threads.append(threading.Thread(target=self._beat_loop, name="postbox-heartbeat", daemon=True))
+        self._threads.append(threading.Thread(target=self._watchdog, name="postbox-watchdog", daemon=True))
+        if self.settings.listen:
+            self._threads.append(threading.Thread(target=self._listen, name="postbox-listen", daemon=True))
+        for t in self._threads:
+            t.start()
+        self._emit("started", worker=self.id)
+        log.info("worker started", extra={"worker": self.id, "consumer": self.settings.consumer})
+
+    def run(self) -> None:
+        self.start()
+        try:
+            while not self._stopping.wait(0.5):
+                pass
+        finally:
+            self.join()
+
+    def stop(self) -> None:
+        """Stop claiming; in-flight batches finish (``join`` enforces the grace period)."""
+        self._stopping.set()
+        self._notify()
+
+    def abort(self) -> None:
+        """Stop at once: running handlers' queries are cancelled and their messages released."""
+        self._aborting.set()
+        self.stop()
+        for slot in self._slots:
+            slot.cancel()
+
+    def join(self, grace: float | None = None) -> None:
+        """Wait for the slots to finish; after ``grace`` seconds abort what is still running."""
+        deadline = time.monotonic() + (self.settings.grace_period if grace is None else grace)
+        for t in self._threads:
+            if t.name.startswith("postbox-slot"):
+                t.join(max(0.0, deadline - time.monotonic()))
+        if any(t.is_alive() for t in self._threads if t.name.startswith("postbox-slot")):
+            self.abort()
+            for t in self._threads:
+                if t.name.startswith("postbox-slot"):
+                    t.join(10)
+        for t in self._threads:
+            if not t.name.startswith("postbox-slot"):
+                t.join(5)
+        try:
+            with psycopg.connect(self.url, autocommit=True) as conn:
+                conn.execute(query("worker_unregister").psycopg, {"id": self.id})
+        except psycopg.Error:
+            log.warning("could not unregister worker %s", self.id)
+        self._emit("stopped", worker=self.id)
+
+    @property
+    def stopping(self) -> bool:
+        return self._stopping.is_set()
+
+    # --- wake-ups --------------------------------------------------------------------------
+
+    def _notify(self) -> None:
+        with self._wake:
+            self._generation += 1
+            self._wake.notify_all()
+
+    def _wait_for_work(self, seen_generation: int) -> None:
+        with self._wake:
+            if self._generation == seen_generation and not self._stopping.is_set():
+                self._wake.wait(self.settings.poll_interval)
+
+    def _listen(self) -> None:
+        backoff = 0.1
+        while not self._stopping.is_set():
+            try:
+                with psycopg.connect(self.url, autocommit=True) as conn:
+                    conn.execute("LISTEN postbox_inbox")
+                    backoff = 0.1
+                    self._notify()  # anything sent while we were not listening
+                    while not self._stopping.is_set():
+                        for n in conn.notifies(timeout=0.5):
+                            if n.payload == self.settings.consumer:
+                                self._notify()
+            except psycopg.Error as error:
+                log.warning("listen connection lost: %s", error)
+                self._stopping.wait(backoff + self.rng.uniform(0, backoff))
+                backoff = min(backoff * 2, 5.0)
+
+    # --- heartbeat and recovery ------------------------------------------------------------
+
+    def _heartbeat(self, conn: psycopg.Connection[Any]) -> None:
+        now = self.clock.now()
+        conn.execute(
+            query("worker_heartbeat").psycopg,
+            {"id": self.id, "kind": "worker", "queue": self.settings.consumer, "host": socket.gethostname(),
+             "pid": os.getpid(), "concurrency": self.settings.concurrency, "version": _version(), "now": now},
+        )  # fmt: skip
+        released = conn.execute(
+            query("reap_stale_workers").psycopg,
+            {"stale_after": self.settings.stale_after, "now": now},
+        ).fetchone()
+        if released and released[0]:
+            log.warning("released %s messages of stale workers", released[0])
+            self._emit("reaped", released=released[0])
+            self._notify()
+
+    def _beat_loop(self) -> None:
+        while not self._stopping.wait(self.settings.heartbeat_interval):
+            try:
+                with psycopg.connect(self.url, autocommit=True, connect_timeout=5) as conn:
+                    self._heartbeat(conn)
+            except psycopg.Error as error:
+                log.warning("heartbeat failed: %s", error)
+
+    def _watchdog(self) -> None:
+        while not self._stopping.wait(0.05) or any(s.busy for s in self._slots):
+            now = time.monotonic()
+            for slot in self._slots:
+                slot.check_deadline(now)
+            if self._stopping.is_set() and not any(
+                t.is_alive() for t in self._threads if t.name.startswith("postbox-slot")
+            ):
+                return
+
+    def _emit(self, event: str, **data: Any) -> None:
+        if self.on_event is not None:
+            self.on_event(event, data)
+
+
+def _version() -> str:
+    from service import __version__
+
+    return __version__
+
+
+@dataclass
+class _Failure:
+    message: Message
+    decision: RetryAt | DeadLetter
+    classification: Classification
+    policy: str | None
+
+
+class _Slot:
+    """One claim-and-process loop with its own connection."""
+
+    def __init__(self, worker: Worker, index: int) -> None:
+        self.worker = worker
+        self.index = index
+        self.settings = worker.settings
+        self.conn: psycopg.Connection[Any] | None = None
+        self.busy = False
+        self._deadline: float | None = None
+        self._timed_out = False
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._engine: Engine | None = None
+        self._sa: tuple[SAConnection, RootTransaction] | None = None
+
+    # --- connection ------------------------------------------------------------------------
+
+    def _connect(self) -> psycopg.Connection[Any]:
+        backoff = 0.05
+        while True:
+            try:
+                conn = psycopg.connect(
+                    self.worker.url,
+                    autocommit=False,
+                    application_name=f"postbox-worker:{self.settings.consumer}",
+                    options=f"-c idle_in_transaction_session_timeout={int(self.settings.lease_seconds * 1000)}",
+                )
+                self._engine = None
+                return conn
+            except psycopg.OperationalError as error:
+                if self.worker.stopping:
+                    raise _Stop from error
+                log.warning("slot %s cannot connect: %s", self.index, error)
+                time.sleep(backoff + self.worker.rng.uniform(0, backoff))
+                backoff = min(backoff * 2, 5.0)
+
+    def _session_factory(self) -> Session:
+        """A SQLAlchemy Session joined to this slot's open transaction (savepoints for its commits)."""
+        assert self.conn is not None
+        if self._engine is None:
+            raw = self.conn
+            self._engine = create_engine(
+                "postgresql+psycopg://",
+                creator=lambda: raw,
+                poolclass=StaticPool,
+                pool_reset_on_return=None,
+            )
+        if self._sa is None:
+            sa_conn = self._engine.connect()
+            self._sa = (sa_conn, sa_conn.begin())
+        return Session(bind=self._sa[0], join_transaction_mode="create_savepoint")
+
+    def _commit(self) -> None:
+        assert self.conn is not None
+        if self._sa is not None:
+            sa_conn, tx = self._sa
+            self._sa = None
+            tx.commit()
+            sa_conn.close()
+        else:
+            self.conn.commit()
+
+    def _rollback(self) -> None:
+        assert self.conn is not None
+        if self._sa is not None:
+            sa_conn, tx = self._sa
+            self._sa = None
+            try:
+                tx.rollback()
+                sa_conn.close()
+            except Exception:
+                log.debug("SQLAlchemy rollback failed", exc_info=True)
+        if not self.conn.closed:
+            self.conn.rollback()
+
+    # --- main loop -------------------------------------------------------------------------
+
+    def run(self) -> None:
+        try:
+            self.conn = self._connect()
+            while not self.worker.stopping:
+                generation = self.worker._generation
+                try:
+                    batch = self._claim()
+                    if not batch:
+                        self.worker._wait_for_work(generation)
+                        continue
+                    self._process(batch)
+                except psycopg.OperationalError as error:
+                    log.warning("slot %s lost its connection: %s", self.index, error)
+                    self._reconnect()
+        except _Stop:
+            pass
+        finally:
+            if self._loop is not None:
+                self._loop.close()
+            if self.conn is not None:
+                self.conn.close()
+
+    def _reconnect(self) -> None:
+        if self.conn is not None:
+            self.conn.close()
+        self._sa = None
+        self.conn = self._connect()
+
+    def _claim(self) -> list[Message]:
+        assert self.conn is not None
+        now = self.worker.clock.now()
+        rows = self.conn.execute(
+            query("inbox_claim").psycopg,
+            {"consumer": self.settings.consumer, "worker": self.worker.id, "limit": self.settings.batch_size,
+             "lease": self.settings.lease_seconds, "now": now},
+        ).fetchall()  # fmt: skip
+        self.conn.commit()
+        batch = [Message.model_construct(**dict(zip(_MESSAGE_FIELDS, r, strict=True))) for r in rows]
+        if batch:
+            self.worker._emit("claimed", ids=[m.id for m in batch])
+        return batch
+
+    # --- processing ------------------------------------------------------------------------
+
+    def _process(self, batch: list[Message]) -> None:
+        assert self.conn is not None
+        conn = self.conn
+        done: list[Message] = []
+        failures: list[_Failure] = []
+        unrun: list[Message] = []
+        in_flight: Message | None = None
+        try:
+            savepoint = False
+            for i, message in enumerate(batch):
+                if self.worker._aborting.is_set():
+                    unrun = batch[i:]
+                    break
+                policy = self._policy(message)
+                if message.attempt > policy.max_attempts:
+                    # Every delivery counted at claim: a message that kept killing its worker ends here.
+                    failures.append(self._exhausted(message, policy))
+                    continue
+                conn.execute("RELEASE SAVEPOINT m; SAVEPOINT m" if savepoint else "SAVEPOINT m")
+                savepoint = True
+                in_flight = message
+                error = self._run_handler(message)
+                in_flight = None
+                if error is None:
+                    done.append(message)
+                    continue
+                if conn.closed or conn.broken:
+                    raise psycopg.OperationalError("connection lost during the handler") from error
+                conn.execute("ROLLBACK TO SAVEPOINT m")
+                failures.append(self._failure(message, error))
+            self._finish(done, failures, unrun)
+        except psycopg.OperationalError:
+            self._recover(batch, in_flight, done, failures)
+            raise
+
+    def _policy(self, message: Message) -> RetryPolicy:
+        spec = self.worker.registry.lookup(message.consumer, message.type)
+        if spec is not None and spec.retry is not None:
+            return spec.retry
+        return self.worker.registry.retry_policies.get(message.consumer, self.settings.retry)
+
+    def _run_handler(self, message: Message) -> BaseException | None:
+        """Run the message's handler; the error it raised (or returned), or None on success."""
+        assert self.conn is not None
+        spec = self.worker.registry.lookup(message.consumer, message.type)
+        if spec is None:
+            from service.outcomes import Permanent
+
+            return Permanent(f"no handler for consumer {message.consumer!r} and type {message.type!r}")
+        ctx = Context(message, self.conn, self._session_factory)
+        timeout = spec.timeout or self.settings.handler_timeout
+        self._timed_out = False
+        self._deadline = time.monotonic() + timeout
+        self.busy = True
+        try:
+            result = spec.func(message, ctx)
+            if inspect.isawaitable(result):
+                result = self._event_loop().run_until_complete(asyncio.wait_for(_awaitable(result), timeout))
+            ctx._close_session()
+            if isinstance(result, BaseException):
+                return result
+            if self._timed_out:
+                return TimeoutError(f"handler exceeded its time limit of {timeout:g} s")
+            return None
+        except _Stop:
+            raise
+        except BaseException as error:
+            if isinstance(error, KeyboardInterrupt | SystemExit):
+                raise
+            if self._timed_out or isinstance(error, asyncio.TimeoutError):
+                return TimeoutError(f"handler exceeded its time limit of {timeout:g} s")
+            return error
+        finally:
+            self.busy = False
+            self._deadline = None
+            if ctx._session is not None:
+                try:
+                    ctx._session.close()
+                except Exception:
+                    log.debug("closing the handler's session failed", exc_info=True)
+
+    def _event_loop(self) -> asyncio.AbstractEventLoop:
+        if self._loop is None:
+            self._loop = asyncio.new_event_loop()
+        return self._loop
+
+    def check_deadline(self, now: float) -> None:
+        if self.busy and self._deadline is not None and now > self._deadline and not self._timed_out:
+            self._timed_out = True
+            self.cancel()
+
+    def cancel(self) -> None:
+        conn = self.conn
+        if conn is not None and not conn.closed and self.busy:
+            try:
+                conn.cancel_safe(timeout=2.0)
+            except Exception:
+                log.debug("cancel failed", exc_info=True)
+
+    def _failure(self, message: Message, error: BaseException) -> _Failure:
+        spec = self.worker.registry.lookup(message.consumer, message.type)
+        classification = self.worker.classifier.classify(error)
+        now = self.worker.clock.now()
+        decision = decide(
+            self._policy(message),
+            classification.kind,
+            attempt=message.attempt,
+            now=now,
+            first_failed_at=message.first_failed_at,
+            received_at=message.received_at,
+            rng=self.worker.rng,
+            explicit_delay=classification.retry_after,
+            idempotent=spec.idempotent if spec else False,
+        )
+        log.info(
+            "attempt failed: %s",
+            decision.explanation,
+            extra=_log_fields(message, classification.error_type),
+        )
+        return _Failure(message, decision, classification, spec.on_dead_letter if spec else None)
+
+    def _exhausted(self, message: Message, policy: RetryPolicy) -> _Failure:
+        text = message.last_error or "worker died during the attempt"
+        classification = Classification(
+            FailureKind.TRANSIENT, "LeaseExpired", text, "", None, "delivery count"
+        )
+        decision = DeadLetter(
+            "attempts_exhausted",
+            f"delivered {message.attempt} times, over max_attempts {policy.max_attempts}: {text}",
+        )
+        spec = self.worker.registry.lookup(message.consumer, message.type)
+        return _Failure(message, decision, classification, spec.on_dead_letter if spec else None)
+
+    def _finish(self, done: list[Message], failures: list[_Failure], unrun: list[Message]) -> None:
+        """Write the batch's outcomes in its transaction and commit; roll back if a claim was lost."""
+        assert self.conn is not None
+        conn = self.conn
+        now = self.worker.clock.now()
+        lost: set[int] = set()
+        if done:
+            row = conn.execute(
+                query("inbox_complete").psycopg,
+                {"ids": [m.id for m in done], "attempts": [m.attempt for m in done], "now": now},
+            ).fetchone()
+            lost = set(row[0]) if row else set()
+        if lost:
+            # Some messages were re-claimed by another worker after our lease ran out: their effects
+            # must not commit. Undo the whole batch and give the rest back untouched.
+            log.warning("claims lost for %s; rolling the batch back", sorted(lost))
+            self._rollback()
+            keep = [m for m in done if m.id not in lost] + [f.message for f in failures] + unrun
+            self._release(keep)
+            self.worker._emit("lost", ids=sorted(lost))
+            return
+        for f in failures:
+            self._write_failure(f, now)
+        if unrun:
+            conn.execute(
+                query("inbox_release").psycopg,
+                {"ids": [m.id for m in unrun], "attempts": [m.attempt for m in unrun], "now": now},
+            )
+        self._commit()
+        if done:
+            self.worker._emit("completed", ids=[m.id for m in done])
+        for f in failures:
+            self.worker._emit(f.decision.kind, id=f.message.id, reason=f.decision.explanation)
+
+    def _write_failure(self, f: _Failure, now: datetime) -> None:
+        assert self.conn is not None
+        m, d, c = f.message, f.decision, f.classification
+        if isinstance(d, RetryAt):
+            self.conn.execute(
+                query("inbox_retry").psycopg,
+                {"id": m.id, "attempt": m.attempt, "now": now, "retry_at": d.at,
+                 "error": f"{c.message} [{d.explanation}]", "error_type": c.error_type},
+            )  # fmt: skip
+        else:
+            self.conn.execute(
+                query("inbox_dead_letter").psycopg,
+                {"id": m.id, "attempt": m.attempt, "now": now, "reason": d.reason,
+                 "error": f"{c.message} [{d.explanation}]", "error_type": c.error_type,
+                 "traceback": c.traceback or None, "fingerprint": fingerprint(c.error_type, c.message),
+                 "policy": f.policy},
+            )  # fmt: skip
+
+    def _release(self, messages: list[Message]) -> None:
+        if not messages:
+            return
+        assert self.conn is not None
+        self.conn.execute(
+            query("inbox_release").psycopg,
+            {"ids": [m.id for m in messages], "attempts": [m.attempt for m in messages],
+             "now": self.worker.clock.now()},
+        )  # fmt: skip
+        self.conn.commit()
+
+    def _recover(
+        self,
+        batch: list[Message],
+        in_flight: Message | None,
+        done: list[Message],
+        failures: list[_Failure],
+    ) -> None:
+        """The connection died mid-batch: nothing of the batch committed. On a new connection,
+        record the attempt that was running as a transient failure and give the others back."""
+        try:
+            self._reconnect()
+            assert self.conn is not None
+            if in_flight is not None:
+                error = ConnectionError("database connection lost during the handler")
+                self._write_failure(self._failure(in_flight, error), self.worker.clock.now())
+            self._release([m for m in batch if m is not in_flight])
+        except psycopg.Error as error:
+            # Still no database: the leases run out and the messages are claimed again.
+            log.warning("slot %s could not recover its batch: %s", self.index, error)
+
+
+async def _awaitable(value: Any) -> Any:
+    return await value
+
+
+def _log_fields(message: Message, error_type: str | None = None) -> dict[str, Any]:
+    return {
+        "message_id": message.message_id,
+        "key": message.key,
+        "sequence": message.sequence,
+        "attempt": message.attempt,
+        "correlation_id": message.correlation_id,
+        "error_type": error_type,
+    }

@@ -1,0 +1,225 @@
+-- What workers do to the inbox. Every write after the claim is fenced by (id, attempt): a worker
+-- whose lease ran out (it stalled, another worker re-claimed the message) changes nothing.
+
+-- Claim up to p_limit heads of consumer p_consumer that are due, for p_lease. Counts a delivery on
+-- each (so a message that kills its worker still uses up attempts). Runs in its own short
+-- transaction; heads whose lease ran out are claimed again, with the expiry recorded as the error.
+CREATE OR REPLACE FUNCTION postbox.inbox_claim_v1(
+    p_consumer text, p_worker text, p_limit integer, p_lease interval, p_now timestamptz)
+RETURNS SETOF postbox.inbox
+LANGUAGE sql VOLATILE AS $$
+    -- The claim is bookkeeping: if the server crashes before it reaches disk, the message is simply
+    -- claimable again. Any later synchronous commit (the handler's) flushes it too.
+    SELECT set_config('synchronous_commit', 'off', true);
+    WITH due AS (
+        SELECT i.id FROM postbox.inbox i
+         WHERE i.consumer = p_consumer
+           AND i.state IN ('ready', 'running')
+           AND i.available_at <= p_now
+           AND NOT EXISTS (SELECT 1 FROM postbox.consumers c WHERE c.name = p_consumer AND c.halted_at IS NOT NULL)
+         ORDER BY i.available_at, i.id
+         LIMIT p_limit
+         FOR UPDATE SKIP LOCKED)
+    UPDATE postbox.inbox i
+       SET state = 'running',
+           attempt = i.attempt + 1,
+           claimed_by = p_worker,
+           claimed_at = p_now,
+           available_at = p_now + p_lease,
+           first_failed_at = CASE WHEN i.state = 'running' THEN coalesce(i.first_failed_at, p_now) ELSE i.first_failed_at END,
+           last_failed_at = CASE WHEN i.state = 'running' THEN p_now ELSE i.last_failed_at END,
+           last_error = CASE WHEN i.state = 'running'
+                             THEN format('lease expired: worker %s died or stalled during attempt %s', i.claimed_by, i.attempt)
+                             ELSE i.last_error END,
+           last_error_type = CASE WHEN i.state = 'running' THEN 'LeaseExpired' ELSE i.last_error_type END
+      FROM due
+     WHERE i.id = due.id
+    RETURNING i.*
+$$;
+COMMENT ON FUNCTION postbox.inbox_claim_v1(text, text, integer, interval, timestamptz)
+    IS 'Worker: claim due heads of a consumer (SKIP LOCKED), counting a delivery on each.';
+
+-- Mark messages done inside the transaction that holds their handlers' effects: the message leaves
+-- the inbox and the next message of its key becomes head. Returns the ids that were NOT completed
+-- because their claim is no longer ours (the caller must then roll back those effects).
+CREATE OR REPLACE FUNCTION postbox.inbox_complete_v1(p_ids bigint[], p_attempts integer[], p_now timestamptz)
+RETURNS bigint[]
+LANGUAGE plpgsql VOLATILE AS $$
+DECLARE
+    r         record;
+    v_lost    bigint[] := '{}';
+BEGIN
+    FOR r IN
+        SELECT u.id, u.attempt, i.consumer, i.key
+          FROM unnest(p_ids, p_attempts) AS u(id, attempt)
+          LEFT JOIN postbox.inbox i ON i.id = u.id
+         ORDER BY hashtext(i.consumer || '/' || i.key), u.id   -- one lock order, no deadlocks
+    LOOP
+        IF r.consumer IS NULL THEN
+            v_lost := v_lost || r.id;
+            CONTINUE;
+        END IF;
+        PERFORM postbox.lock_key_v1(1, r.consumer, r.key);
+        IF NOT postbox.inbox_finish_v1(r.id, r.attempt, p_now, true) THEN
+            v_lost := v_lost || r.id;
+        END IF;
+    END LOOP;
+    RETURN v_lost;
+END
+$$;
+COMMENT ON FUNCTION postbox.inbox_complete_v1(bigint[], integer[], timestamptz)
+    IS 'Worker: mark messages done (fenced by attempt) and promote the next message of each key; returns ids no longer held.';
+
+-- Internal: take a finished (done or skipped) message out of the inbox, record its sequence for
+-- sequenced consumers, and promote the next one. Caller holds the key lock. False if not held.
+CREATE OR REPLACE FUNCTION postbox.inbox_finish_v1(p_id bigint, p_attempt integer, p_now timestamptz, p_fenced boolean)
+RETURNS boolean
+LANGUAGE plpgsql VOLATILE AS $$
+DECLARE
+    v_row  record;
+    v_mode text;
+BEGIN
+    IF p_fenced THEN
+        DELETE FROM postbox.inbox WHERE id = p_id AND attempt = p_attempt AND state = 'running'
+        RETURNING consumer, key, sequence INTO v_row;
+    ELSE
+        DELETE FROM postbox.inbox WHERE id = p_id RETURNING consumer, key, sequence INTO v_row;
+    END IF;
+    IF NOT FOUND THEN
+        RETURN false;
+    END IF;
+    SELECT c.sequence_mode INTO v_mode FROM postbox.consumers c WHERE c.name = v_row.consumer;
+    IF coalesce(v_mode, 'arrival') <> 'arrival' AND v_row.sequence IS NOT NULL THEN
+        INSERT INTO postbox.inbox_keys AS k (consumer, key, last_sequence, last_done_at)
+        VALUES (v_row.consumer, v_row.key, v_row.sequence, p_now)
+        ON CONFLICT (consumer, key) DO UPDATE
+           SET last_sequence = greatest(k.last_sequence, excluded.last_sequence), last_done_at = excluded.last_done_at;
+    END IF;
+    PERFORM postbox.inbox_promote_v1(v_row.consumer, v_row.key, p_now);
+    RETURN true;
+END
+$$;
+
+-- A failed attempt that will be retried: the message stays the head of its key (later messages
+-- stay behind it) and becomes claimable again at p_retry_at. Returns false if the claim is lost.
+CREATE OR REPLACE FUNCTION postbox.inbox_retry_v1(
+    p_id bigint, p_attempt integer, p_now timestamptz, p_retry_at timestamptz,
+    p_error text, p_error_type text)
+RETURNS boolean
+LANGUAGE sql VOLATILE AS $$
+    WITH u AS (
+        UPDATE postbox.inbox
+           SET state = 'ready', available_at = p_retry_at, next_retry_at = p_retry_at,
+               first_failed_at = coalesce(first_failed_at, p_now), last_failed_at = p_now,
+               last_error = p_error, last_error_type = p_error_type
+         WHERE id = p_id AND attempt = p_attempt AND state = 'running'
+        RETURNING 1)
+    SELECT EXISTS (SELECT 1 FROM u)
+$$;
+COMMENT ON FUNCTION postbox.inbox_retry_v1(bigint, integer, timestamptz, timestamptz, text, text)
+    IS 'Worker: record a failed attempt and schedule the next at p_retry_at; the key stays held.';
+
+-- Move a message to postbox.dead_letters, atomically with taking it out of the live flow, and apply
+-- the ordering policy (p_policy, or the consumer's on_dead_letter): block keeps the key held behind
+-- a 'blocked' head, skip lets the key go on, halt blocks the key and halts the consumer.
+-- Returns the dead letter's id, or NULL if the claim is lost.
+CREATE OR REPLACE FUNCTION postbox.inbox_dead_letter_v1(
+    p_id bigint, p_attempt integer, p_now timestamptz, p_reason text, p_error text,
+    p_error_type text, p_traceback text, p_fingerprint text, p_policy text DEFAULT NULL)
+RETURNS bigint
+LANGUAGE plpgsql VOLATILE AS $$
+DECLARE
+    v_row     record;
+    v_policy  text;
+    v_dl      bigint;
+BEGIN
+    SELECT consumer, key INTO v_row FROM postbox.inbox
+     WHERE id = p_id AND attempt = p_attempt AND state = 'running';
+    IF NOT FOUND THEN
+        RETURN NULL;
+    END IF;
+    PERFORM postbox.lock_key_v1(1, v_row.consumer, v_row.key);
+    PERFORM 1 FROM postbox.inbox WHERE id = p_id AND attempt = p_attempt AND state = 'running' FOR UPDATE;
+    IF NOT FOUND THEN
+        RETURN NULL;
+    END IF;
+    SELECT coalesce(p_policy, c.on_dead_letter) INTO v_policy FROM postbox.consumers c WHERE c.name = v_row.consumer;
+    v_policy := coalesce(v_policy, p_policy, 'block');
+    v_dl := postbox.inbox_copy_to_dead_letters_v1(p_id, p_reason, p_error, p_error_type, p_traceback,
+                                                  p_fingerprint, v_policy, p_now);
+    IF v_policy = 'skip' THEN
+        PERFORM postbox.inbox_finish_v1(p_id, p_attempt, p_now, true);
+    ELSE
+        UPDATE postbox.inbox
+           SET state = 'blocked', available_at = p_now, next_retry_at = NULL,
+               first_failed_at = coalesce(first_failed_at, p_now), last_failed_at = p_now,
+               last_error = coalesce(p_error, last_error), last_error_type = coalesce(p_error_type, last_error_type)
+         WHERE id = p_id;
+        IF v_policy = 'halt' THEN
+            INSERT INTO postbox.consumers AS c (name, declared, halted_at, halted_reason)
+            VALUES (v_row.consumer, false, p_now, format('dead letter %s (message %s): %s', v_dl, p_id, p_reason))
+            ON CONFLICT ON CONSTRAINT consumers_pkey DO UPDATE
+               SET halted_at = coalesce(c.halted_at, excluded.halted_at),
+                   halted_reason = coalesce(c.halted_reason, excluded.halted_reason), updated_at = now();
+        END IF;
+    END IF;
+    RETURN v_dl;
+END
+$$;
+COMMENT ON FUNCTION postbox.inbox_dead_letter_v1(bigint, integer, timestamptz, text, text, text, text, text, text)
+    IS 'Worker: dead-letter a claimed message and apply the ordering policy (block, skip, halt).';
+
+-- Give claimed messages back without counting the attempt (shutdown, or a batch that could not run).
+CREATE OR REPLACE FUNCTION postbox.inbox_release_v1(p_ids bigint[], p_attempts integer[], p_now timestamptz)
+RETURNS integer
+LANGUAGE sql VOLATILE AS $$
+    WITH u AS (
+        UPDATE postbox.inbox i
+           SET state = 'ready', available_at = p_now, attempt = i.attempt - 1
+          FROM unnest(p_ids, p_attempts) AS r(id, attempt)
+         WHERE i.id = r.id AND i.attempt = r.attempt AND i.state = 'running'
+        RETURNING 1)
+    SELECT count(*)::integer FROM u
+$$;
+COMMENT ON FUNCTION postbox.inbox_release_v1(bigint[], integer[], timestamptz)
+    IS 'Worker: hand claimed messages back untouched (attempt not counted).';
+
+-- Workers register, beat, and recover the messages of workers that stopped beating.
+CREATE OR REPLACE FUNCTION postbox.worker_heartbeat_v1(
+    p_id text, p_kind text, p_queue text, p_host text, p_pid integer, p_concurrency integer,
+    p_version text, p_now timestamptz)
+RETURNS void
+LANGUAGE sql VOLATILE AS $$
+    INSERT INTO postbox.workers AS w (id, kind, queue, host, pid, concurrency, version, started_at, heartbeat_at)
+    VALUES (p_id, p_kind, p_queue, p_host, p_pid, p_concurrency, p_version, p_now, p_now)
+    ON CONFLICT (id) DO UPDATE SET heartbeat_at = excluded.heartbeat_at
+$$;
+
+-- Release the claims of workers whose heartbeat is older than p_stale_after, and forget them.
+-- Safe to run from many processes at once. Returns the number of messages released.
+CREATE OR REPLACE FUNCTION postbox.reap_stale_workers_v1(p_stale_after interval, p_now timestamptz)
+RETURNS integer
+LANGUAGE plpgsql VOLATILE AS $$
+DECLARE
+    v_stale  text[];
+    v_inbox  integer;
+    v_outbox integer;
+BEGIN
+    WITH gone AS (
+        DELETE FROM postbox.workers WHERE heartbeat_at < p_now - p_stale_after RETURNING id)
+    SELECT coalesce(array_agg(id), '{}') INTO v_stale FROM gone;
+    IF cardinality(v_stale) = 0 THEN
+        RETURN 0;
+    END IF;
+    -- Make their messages due now: the next claim counts the lost attempt and records why.
+    UPDATE postbox.inbox SET available_at = p_now
+     WHERE state = 'running' AND claimed_by = ANY (v_stale) AND available_at > p_now;
+    GET DIAGNOSTICS v_inbox = ROW_COUNT;
+    UPDATE postbox.outbox SET available_at = p_now
+     WHERE state = 'running' AND claimed_by = ANY (v_stale) AND available_at > p_now;
+    GET DIAGNOSTICS v_outbox = ROW_COUNT;
+    RETURN v_inbox + v_outbox;
+END
+$$;
+COMMENT ON FUNCTION postbox.reap_stale_workers_v1(interval, timestamptz)
+    IS 'Forget workers without a recent heartbeat and make their claimed messages due at once.';

@@ -1,0 +1,55 @@
+-- Views for DBAs and operators: what is stuck, and why.
+
+CREATE OR REPLACE VIEW postbox.blocked_keys AS
+SELECT 'inbox'::text                 AS origin,
+       i.consumer                    AS consumer,
+       NULL::text                    AS destination,
+       i.key,
+       i.id                          AS blocking_id,
+       i.message_id                  AS blocking_message_id,
+       i.sequence                    AS blocking_sequence,
+       i.type,
+       d.id                          AS dead_letter_id,
+       d.reason,
+       d.last_error,
+       coalesce(d.dead_lettered_at, i.last_failed_at) AS blocked_since,
+       now() - coalesce(d.dead_lettered_at, i.last_failed_at) AS blocked_for,
+       (SELECT count(*) FROM postbox.inbox p
+         WHERE p.consumer = i.consumer AND p.key = i.key AND p.state = 'pending') AS held_messages
+  FROM postbox.inbox i
+  LEFT JOIN postbox.dead_letters d
+         ON d.origin = 'inbox' AND d.origin_id = i.id AND d.status IN ('open', 'replaying')
+ WHERE i.state = 'blocked'
+UNION ALL
+SELECT 'outbox', NULL, o.destination, o.key, o.id, o.message_id, NULL, o.type, d.id, d.reason,
+       d.last_error, coalesce(d.dead_lettered_at, o.last_failed_at),
+       now() - coalesce(d.dead_lettered_at, o.last_failed_at),
+       (SELECT count(*) FROM postbox.outbox p
+         WHERE p.destination = o.destination AND p.key = o.key AND p.state = 'pending')
+  FROM postbox.outbox o
+  LEFT JOIN postbox.dead_letters d
+         ON d.origin = 'outbox' AND d.origin_id = o.id AND d.status IN ('open', 'replaying')
+ WHERE o.state = 'blocked';
+COMMENT ON VIEW postbox.blocked_keys IS 'Keys held behind a dead-lettered head: since when, by which message and dead letter, and how many messages wait behind it.';
+
+CREATE OR REPLACE VIEW postbox.key_gaps AS
+SELECT k.consumer,
+       k.key,
+       k.last_sequence,
+       coalesce(k.last_sequence + 1, c.first_sequence) AS expected_sequence,
+       (SELECT min(p.position) FROM postbox.inbox p
+         WHERE p.consumer = k.consumer AND p.key = k.key AND p.state = 'pending') AS next_present_sequence,
+       k.gap_since,
+       now() - k.gap_since AS waiting_for,
+       c.gap_timeout,
+       c.gap_timeout IS NOT NULL AND now() - k.gap_since > c.gap_timeout AS timed_out
+  FROM postbox.inbox_keys k
+  JOIN postbox.consumers c ON c.name = k.consumer
+ WHERE k.gap_since IS NOT NULL;
+COMMENT ON VIEW postbox.key_gaps IS 'gapless consumers: keys waiting for a missing sequence, for how long, and whether past the gap timeout.';
+
+CREATE OR REPLACE VIEW postbox.live_workers AS
+SELECT w.*, now() - w.heartbeat_at AS since_heartbeat,
+       (SELECT count(*) FROM postbox.inbox i WHERE i.state = 'running' AND i.claimed_by = w.id) AS inbox_in_flight
+  FROM postbox.workers w;
+COMMENT ON VIEW postbox.live_workers IS 'Registered processes with their heartbeat age and in-flight inbox messages.';

@@ -1,0 +1,59 @@
+"""Helpers shared by the tests: polling with a deadline (never a bare sleep), effects tables."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import TypeVar
+
+import psycopg
+
+T = TypeVar("T")
+
+EFFECTS_DDL = """
+CREATE TABLE IF NOT EXISTS effects (
+    id          bigserial PRIMARY KEY,
+    message_id  text NOT NULL,
+    key         text NOT NULL,
+    sequence    bigint,
+    prev_seq    bigint,
+    attempt     integer NOT NULL,
+    pid         integer NOT NULL DEFAULT pg_backend_pid(),
+    at          timestamptz NOT NULL DEFAULT clock_timestamp()
+);
+CREATE TABLE IF NOT EXISTS key_state (
+    key       text PRIMARY KEY,
+    last_seq  bigint NOT NULL
+);
+"""
+
+
+def eventually(check: Callable[[], T | None], timeout: float = 30.0, interval: float = 0.02, what: str = "") -> T:
+    """Poll ``check`` until it returns something truthy; fail after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    last: T | None = None
+    while time.monotonic() < deadline:
+        last = check()
+        if last:
+            return last
+        time.sleep(interval)
+    raise AssertionError(f"not reached within {timeout}s: {what or check!r} (last: {last!r})")
+
+
+def scalar(url: str, sql: str, params: tuple[object, ...] = ()) -> object:
+    with psycopg.connect(url, autocommit=True) as c:
+        row = c.execute(sql, params).fetchone()
+        return row[0] if row else None
+
+
+def record_effect(conn: psycopg.Connection, message_id: str, key: str, sequence: int | None, attempt: int) -> None:
+    """The handler side of the checker: append an effect, with the previous sequence seen for the key."""
+    prev = conn.execute("SELECT last_seq FROM key_state WHERE key = %s FOR UPDATE", (key,)).fetchone()
+    conn.execute(
+        "INSERT INTO effects (message_id, key, sequence, prev_seq, attempt) VALUES (%s, %s, %s, %s, %s)",
+        (message_id, key, sequence, prev[0] if prev else None, attempt),
+    )
+    conn.execute(
+        "INSERT INTO key_state (key, last_seq) VALUES (%s, %s) ON CONFLICT (key) DO UPDATE SET last_seq = excluded.last_seq",
+        (key, sequence if sequence is not None else -1),
+    )
