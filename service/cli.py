@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib
+import signal
 import sys
 from pathlib import Path
 
@@ -10,7 +12,9 @@ import click
 from service import migrate as migrations
 from service.embedded import resolve_database_url
 from service.errors import ConfigError
+from service.handlers import Registry
 from service.settings import Settings, load_settings, mask_url
+from service.worker import Worker, WorkerSettings
 
 __all__ = ["main"]
 
@@ -63,6 +67,86 @@ def downgrade(ctx: click.Context, revision: str) -> None:
     url = _url(ctx)
     migrations.downgrade(url, revision)
     click.echo(f"postbox: {mask_url(url)} is at revision {migrations.current_revision(url)}", err=True)
+
+
+def _load_registry(app: str) -> Registry:
+    module_name, _, attr = app.partition(":")
+    if not module_name or not attr:
+        raise click.BadParameter(
+            "expected module:attribute, for example myapp.handlers:registry", param_hint="--app"
+        )
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as error:
+        raise click.BadParameter(f"cannot import {module_name}: {error}", param_hint="--app") from None
+    obj = getattr(module, attr, None)
+    if callable(obj) and not isinstance(obj, Registry):
+        obj = obj()
+    if not isinstance(obj, Registry):
+        raise click.BadParameter(f"{app} is not a service.handlers.Registry", param_hint="--app")
+    return obj
+
+
+@cli.command()
+@click.option("--consumer", required=True, help="The consumer whose inbox this worker processes.")
+@click.option("--app", "app", required=True, help="module:attribute of the handler Registry.")
+@click.option("--concurrency", default=2, show_default=True, type=click.IntRange(1, 256))
+@click.option("--batch-size", default=20, show_default=True, type=click.IntRange(1, 10_000))
+@click.option("--poll-interval", default=1.0, show_default=True, type=click.FloatRange(min=0.001))
+@click.option("--listen/--no-listen", default=True, show_default=True, help="Wake on LISTEN/NOTIFY.")
+@click.option("--handler-timeout", default=30.0, show_default=True, type=click.FloatRange(min=0.001))
+@click.option("--grace-period", default=30.0, show_default=True, type=click.FloatRange(min=0))
+@click.option("--heartbeat-interval", default=5.0, show_default=True, type=click.FloatRange(min=0.01))
+@click.option("--stale-after", default=30.0, show_default=True, type=click.FloatRange(min=0.02))
+@click.pass_context
+def worker(
+    ctx: click.Context,
+    consumer: str,
+    app: str,
+    concurrency: int,
+    batch_size: int,
+    poll_interval: float,
+    listen: bool,
+    handler_timeout: float,
+    grace_period: float,
+    heartbeat_interval: float,
+    stale_after: float,
+) -> None:
+    """Process the inbox of CONSUMER with the handlers of APP until SIGTERM or SIGINT.
+
+    The first signal stops claiming and lets in-flight messages finish (up to --grace-period);
+    a second one aborts at once, giving unfinished messages back.
+    """
+    registry = _load_registry(app)
+    try:
+        settings = WorkerSettings(
+            consumer=consumer,
+            concurrency=concurrency,
+            batch_size=batch_size,
+            poll_interval=poll_interval,
+            listen=listen,
+            handler_timeout=handler_timeout,
+            grace_period=grace_period,
+            heartbeat_interval=heartbeat_interval,
+            stale_after=stale_after,
+        )
+        w = Worker(_url(ctx), registry, settings)
+    except ValueError as error:
+        raise click.ClickException(str(error)) from None
+    signals = {"count": 0}
+
+    def on_signal(signum: int, frame: object) -> None:
+        signals["count"] += 1
+        if signals["count"] == 1:
+            click.echo(f"postbox: stopping (signal {signum}); in-flight messages finish", err=True)
+            w.stop()
+        else:
+            click.echo("postbox: aborting", err=True)
+            w.abort()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    w.run()
 
 
 def main() -> None:

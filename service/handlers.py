@@ -116,6 +116,7 @@ class Registry:
     handlers: dict[tuple[str, str | None], HandlerSpec] = field(default_factory=dict)
     retry_policies: dict[str, RetryPolicy] = field(default_factory=dict)
     rules: list[Rule] = field(default_factory=list)
+    listeners: list[Callable[[str, dict[str, Any]], None]] = field(default_factory=list)
 
     def handler(
         self,

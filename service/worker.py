@@ -242,6 +242,8 @@ class Worker:
     def _emit(self, event: str, **data: Any) -> None:
         if self.on_event is not None:
             self.on_event(event, data)
+        for listener in self.registry.listeners:
+            listener(event, data)
 
 
 def _version() -> str:

@@ -28,7 +28,9 @@ CREATE TABLE IF NOT EXISTS key_state (
 """
 
 
-def eventually(check: Callable[[], T | None], timeout: float = 30.0, interval: float = 0.02, what: str = "") -> T:
+def eventually(
+    check: Callable[[], T | None], timeout: float = 30.0, interval: float = 0.02, what: str = ""
+) -> T:
     """Poll ``check`` until it returns something truthy; fail after ``timeout`` seconds."""
     deadline = time.monotonic() + timeout
     last: T | None = None
@@ -46,7 +48,9 @@ def scalar(url: str, sql: str, params: tuple[object, ...] = ()) -> object:
         return row[0] if row else None
 
 
-def record_effect(conn: psycopg.Connection, message_id: str, key: str, sequence: int | None, attempt: int) -> None:
+def record_effect(
+    conn: psycopg.Connection, message_id: str, key: str, sequence: int | None, attempt: int
+) -> None:
     """The handler side of the checker: append an effect, with the previous sequence seen for the key."""
     prev = conn.execute("SELECT last_seq FROM key_state WHERE key = %s FOR UPDATE", (key,)).fetchone()
     conn.execute(
@@ -57,3 +61,12 @@ def record_effect(conn: psycopg.Connection, message_id: str, key: str, sequence:
         "INSERT INTO key_state (key, last_seq) VALUES (%s, %s) ON CONFLICT (key) DO UPDATE SET last_seq = excluded.last_seq",
         (key, sequence if sequence is not None else -1),
     )
+
+
+# Worker settings that make tests quick: short polls, heartbeats and stale detection.
+FAST_WORKER: dict[str, float] = {
+    "poll_interval": 0.05,
+    "heartbeat_interval": 0.5,
+    "stale_after": 2.0,
+    "grace_period": 5.0,
+}

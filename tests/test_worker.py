@@ -14,8 +14,7 @@ from service.outcomes import Permanent, Retry
 from service.policy import Backoff, RetryPolicy
 from service.worker import Worker, WorkerSettings
 from tests.helpers import EFFECTS_DDL, eventually, record_effect, scalar
-
-FAST = dict(poll_interval=0.05, heartbeat_interval=0.5, stale_after=2.0, grace_period=5.0)
+from tests.helpers import FAST_WORKER as FAST
 
 
 @pytest.fixture
@@ -39,7 +38,9 @@ def produce(url, messages):
 
 
 def drained(url, consumer="c"):
-    return scalar(url, "SELECT count(*) = 0 FROM postbox.inbox WHERE consumer = %s AND state <> 'blocked'", (consumer,))
+    return scalar(
+        url, "SELECT count(*) = 0 FROM postbox.inbox WHERE consumer = %s AND state <> 'blocked'", (consumer,)
+    )
 
 
 def test_processes_every_message_once_in_key_order(effects_db):
@@ -51,8 +52,14 @@ def test_processes_every_message_once_in_key_order(effects_db):
     def handle(m, ctx):
         record_effect(ctx.conn, m.message_id, m.key, m.sequence, m.attempt)
 
-    produce(url, [{"consumer": "c", "message_id": f"{k}-{s}", "key": f"k{k}", "sequence": s, "payload": {}}
-                  for s in range(20) for k in range(10)])
+    produce(
+        url,
+        [
+            {"consumer": "c", "message_id": f"{k}-{s}", "key": f"k{k}", "sequence": s, "payload": {}}
+            for s in range(20)
+            for k in range(10)
+        ],
+    )
     w = start(url, reg, concurrency=4, batch_size=5)
     try:
         eventually(lambda: drained(url), what="inbox drained")
@@ -66,7 +73,12 @@ def test_processes_every_message_once_in_key_order(effects_db):
             " FROM effects) e WHERE sequence <> coalesce(before + 1, 0)"
         ).fetchall()
         assert bad == []
-        assert c.execute("SELECT count(*) FROM effects WHERE prev_seq IS DISTINCT FROM CASE WHEN sequence = 0 THEN NULL ELSE sequence - 1 END").fetchone()[0] == 0
+        assert (
+            c.execute(
+                "SELECT count(*) FROM effects WHERE prev_seq IS DISTINCT FROM CASE WHEN sequence = 0 THEN NULL ELSE sequence - 1 END"
+            ).fetchone()[0]
+            == 0
+        )
         assert c.execute("SELECT count(*) FROM postbox.workers").fetchone()[0] == 0
 
 
@@ -83,23 +95,48 @@ def test_transient_failure_holds_the_key_until_the_retry_succeeds(effects_db):
             raise ConnectionError("dependency down")
         record_effect(ctx.conn, m.message_id, m.key, m.sequence, m.attempt)
 
-    produce(url, [{"consumer": "c", "message_id": f"{k}-{s}", "key": k, "sequence": s, "payload": {}}
-                  for k in ("a", "b") for s in range(3)])
+    produce(
+        url,
+        [
+            {"consumer": "c", "message_id": f"{k}-{s}", "key": k, "sequence": s, "payload": {}}
+            for k in ("a", "b")
+            for s in range(3)
+        ],
+    )
     w = start(url, reg, clock=clock)
     try:
         eventually(lambda: scalar(url, "SELECT count(*) = 3 FROM effects WHERE key = 'b'"))
-        row = eventually(lambda: scalar(url, "SELECT row(state, attempt, last_error_type, next_retry_at IS NOT NULL)::text FROM postbox.inbox WHERE message_id = 'a-0' AND attempt = 1 AND state = 'ready'"))
+        row = eventually(
+            lambda: scalar(
+                url,
+                "SELECT row(state, attempt, last_error_type, next_retry_at IS NOT NULL)::text FROM postbox.inbox WHERE message_id = 'a-0' AND attempt = 1 AND state = 'ready'",
+            )
+        )
         assert row == "(ready,1,ConnectionError,t)"
         assert scalar(url, "SELECT count(*) FROM effects WHERE key = 'a'") == 0
-        assert scalar(url, "SELECT string_agg(state, ',' ORDER BY id) FROM postbox.inbox WHERE key = 'a'") == "ready,pending,pending"
+        assert (
+            scalar(url, "SELECT string_agg(state, ',' ORDER BY id) FROM postbox.inbox WHERE key = 'a'")
+            == "ready,pending,pending"
+        )
         clock.advance(61)
-        eventually(lambda: scalar(url, "SELECT attempt FROM postbox.inbox WHERE message_id = 'a-0' AND state = 'ready'") == 2)
+        eventually(
+            lambda: (
+                scalar(url, "SELECT attempt FROM postbox.inbox WHERE message_id = 'a-0' AND state = 'ready'")
+                == 2
+            )
+        )
         clock.advance(61)
         eventually(lambda: drained(url))
     finally:
         w.stop()
         w.join()
-    assert scalar(url, "SELECT string_agg(message_id || ':' || attempt, ',' ORDER BY id) FROM effects WHERE key = 'a'") == "a-0:3,a-1:1,a-2:1"
+    assert (
+        scalar(
+            url,
+            "SELECT string_agg(message_id || ':' || attempt, ',' ORDER BY id) FROM effects WHERE key = 'a'",
+        )
+        == "a-0:3,a-1:1,a-2:1"
+    )
 
 
 def test_permanent_failure_dead_letters_and_blocks_the_key(effects_db):
@@ -113,8 +150,14 @@ def test_permanent_failure_dead_letters_and_blocks_the_key(effects_db):
             raise Permanent("amount missing")
         record_effect(ctx.conn, m.message_id, m.key, m.sequence, m.attempt)
 
-    produce(url, [{"consumer": "c", "message_id": f"{k}-{s}", "key": k, "sequence": s, "payload": {"s": s}}
-                  for k in ("a", "b") for s in range(3)])
+    produce(
+        url,
+        [
+            {"consumer": "c", "message_id": f"{k}-{s}", "key": k, "sequence": s, "payload": {"s": s}}
+            for k in ("a", "b")
+            for s in range(3)
+        ],
+    )
     w = start(url, reg)
     try:
         eventually(lambda: scalar(url, "SELECT count(*) = 4 FROM effects"))
@@ -122,9 +165,15 @@ def test_permanent_failure_dead_letters_and_blocks_the_key(effects_db):
     finally:
         w.stop()
         w.join()
-    dl = scalar(url, "SELECT row(message_id, reason, attempt, ordering_policy, last_error_type, payload::text)::text FROM postbox.dead_letters")
+    dl = scalar(
+        url,
+        "SELECT row(message_id, reason, attempt, ordering_policy, last_error_type, payload::text)::text FROM postbox.dead_letters",
+    )
     assert dl == '(a-1,permanent,1,block,Permanent,"{""s"": 1}")'
-    assert scalar(url, "SELECT row(key, blocking_message_id, held_messages)::text FROM postbox.blocked_keys") == "(a,a-1,1)"
+    assert (
+        scalar(url, "SELECT row(key, blocking_message_id, held_messages)::text FROM postbox.blocked_keys")
+        == "(a,a-1,1)"
+    )
     assert scalar(url, "SELECT string_agg(message_id, ',' ORDER BY id) FROM effects") is not None
     assert scalar(url, "SELECT count(*) FROM effects WHERE message_id = 'a-2'") == 0
 
@@ -145,8 +194,16 @@ def test_explicit_retry_after_is_honoured(effects_db):
     t0 = clock.now()
     w = start(url, reg, clock=clock)
     try:
-        eventually(lambda: scalar(url, "SELECT attempt = 1 AND state = 'ready' FROM postbox.inbox WHERE message_id = 'x'"))
-        delay = scalar(url, "SELECT extract(epoch FROM next_retry_at - %s) FROM postbox.inbox WHERE message_id = 'x'", (t0,))
+        eventually(
+            lambda: scalar(
+                url, "SELECT attempt = 1 AND state = 'ready' FROM postbox.inbox WHERE message_id = 'x'"
+            )
+        )
+        delay = scalar(
+            url,
+            "SELECT extract(epoch FROM next_retry_at - %s) FROM postbox.inbox WHERE message_id = 'x'",
+            (t0,),
+        )
         assert float(delay) == pytest.approx(42, abs=0.5)
         clock.advance(43)
         eventually(lambda: drained(url))
@@ -185,8 +242,10 @@ def test_async_handlers_and_sqlalchemy_session_commit_with_the_message(effects_d
 
     @reg.handler("c", "sync-sa")
     def with_session(m, ctx):
-        ctx.session.execute(text("INSERT INTO effects (message_id, key, attempt) VALUES (:m, :k, :a)"),
-                            {"m": m.message_id, "k": m.key, "a": m.attempt})
+        ctx.session.execute(
+            text("INSERT INTO effects (message_id, key, attempt) VALUES (:m, :k, :a)"),
+            {"m": m.message_id, "k": m.key, "a": m.attempt},
+        )
         ctx.session.commit()  # only a savepoint: the outer transaction is the worker's
 
     @reg.handler("c", "async")
@@ -194,8 +253,13 @@ def test_async_handlers_and_sqlalchemy_session_commit_with_the_message(effects_d
         record_effect(ctx.conn, m.message_id, m.key, m.sequence, m.attempt)
         ctx.publish("next", {"from": m.message_id}, key=m.key)
 
-    produce(url, [{"consumer": "c", "message_id": "s", "type": "sync-sa", "payload": {}},
-                  {"consumer": "c", "message_id": "a", "type": "async", "payload": {}, "correlation_id": "corr"}])
+    produce(
+        url,
+        [
+            {"consumer": "c", "message_id": "s", "type": "sync-sa", "payload": {}},
+            {"consumer": "c", "message_id": "a", "type": "async", "payload": {}, "correlation_id": "corr"},
+        ],
+    )
     w = start(url, reg)
     try:
         eventually(lambda: drained(url))
@@ -203,7 +267,10 @@ def test_async_handlers_and_sqlalchemy_session_commit_with_the_message(effects_d
         w.stop()
         w.join()
     assert scalar(url, "SELECT string_agg(message_id, ',' ORDER BY message_id) FROM effects") == "a,s"
-    assert scalar(url, "SELECT row(destination, correlation_id, causation_id)::text FROM postbox.outbox") == "(next,corr,a)"
+    assert (
+        scalar(url, "SELECT row(destination, correlation_id, causation_id)::text FROM postbox.outbox")
+        == "(next,corr,a)"
+    )
 
 
 def test_stop_finishes_in_flight_work_and_releases_nothing_claimed(effects_db):

@@ -106,6 +106,18 @@ BEGIN
                 inbox_receive_v1.schema_version, inbox_receive_v1.payload, coalesce(inbox_receive_v1.headers, '{}'),
                 inbox_receive_v1.correlation_id, inbox_receive_v1.causation_id, inbox_receive_v1.source, 'ready')
         ON CONFLICT (consumer, key) WHERE state <> 'pending' DO NOTHING;
+        IF NOT FOUND AND v_mode = 'monotonic' THEN
+            -- Lowest present sequence first: a head nobody has claimed yet steps back behind us.
+            UPDATE postbox.inbox SET state = 'pending'
+             WHERE consumer = v_consumer AND key = v_key AND state = 'ready' AND position > v_seq;
+            IF FOUND THEN
+                INSERT INTO postbox.inbox (id, consumer, message_id, key, sequence, position, type, schema_version,
+                                           payload, headers, correlation_id, causation_id, source, state)
+                VALUES (v_id, v_consumer, inbox_receive_v1.message_id, v_key, v_seq, v_position, inbox_receive_v1.type,
+                        inbox_receive_v1.schema_version, inbox_receive_v1.payload, coalesce(inbox_receive_v1.headers, '{}'),
+                        inbox_receive_v1.correlation_id, inbox_receive_v1.causation_id, inbox_receive_v1.source, 'ready');
+            END IF;
+        END IF;
         IF NOT FOUND THEN
             v_state := 'pending';
         ELSIF postbox.notify_enabled_v1() THEN
