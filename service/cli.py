@@ -98,6 +98,12 @@ def _load_registry(app: str) -> Registry:
 @click.option("--grace-period", default=30.0, show_default=True, type=click.FloatRange(min=0))
 @click.option("--heartbeat-interval", default=5.0, show_default=True, type=click.FloatRange(min=0.01))
 @click.option("--stale-after", default=30.0, show_default=True, type=click.FloatRange(min=0.02))
+@click.option(
+    "--lease",
+    default=None,
+    type=click.FloatRange(min=0.01),
+    help="Seconds a claim is held before another worker may take it (default: timeout x batch + 30).",
+)
 @click.pass_context
 def worker(
     ctx: click.Context,
@@ -111,6 +117,7 @@ def worker(
     grace_period: float,
     heartbeat_interval: float,
     stale_after: float,
+    lease: float | None,
 ) -> None:
     """Process the inbox of CONSUMER with the handlers of APP until SIGTERM or SIGINT.
 
@@ -129,6 +136,7 @@ def worker(
             grace_period=grace_period,
             heartbeat_interval=heartbeat_interval,
             stale_after=stale_after,
+            lease=lease,
         )
         w = Worker(_url(ctx), registry, settings)
     except ValueError as error:

@@ -9,7 +9,7 @@ one transaction with the message's "done" mark and any ``ctx.publish(...)`` outb
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
@@ -107,6 +107,7 @@ class HandlerSpec:
     timeout: float | None = None
     retry: RetryPolicy | None = None
     on_dead_letter: str | None = None
+    schema_versions: frozenset[int] | None = None
 
 
 @dataclass
@@ -154,6 +155,7 @@ class Registry:
         timeout: float | None = None,
         retry: RetryPolicy | None = None,
         on_dead_letter: str | None = None,
+        schema_versions: Iterable[int] | None = None,
     ) -> None:
         if (consumer, type) in self.handlers:
             raise ValueError(f"postbox: a handler for consumer {consumer!r} type {type!r} exists already")

@@ -11,6 +11,7 @@ from sqlalchemy import (
     Boolean,
     CheckConstraint,
     Column,
+    Double,
     Index,
     Integer,
     Interval,
@@ -25,6 +26,7 @@ from sqlalchemy.dialects.postgresql import JSONB, TIMESTAMP
 
 __all__ = [
     "SCHEMA",
+    "attempts",
     "consumers",
     "dead_letters",
     "inbox",
@@ -225,6 +227,31 @@ dead_letters = Table(
         postgresql_where=text("status = 'open'"),
     ),
     Index("dead_letters_message_idx", "message_id"),
+)
+
+attempts = Table(
+    "attempts",
+    metadata,
+    Column("id", BigInteger, primary_key=True, autoincrement=True),
+    Column("origin", Text, nullable=False),
+    Column("origin_id", BigInteger, nullable=False),
+    Column("queue", _C, nullable=False),
+    Column("message_id", _C, nullable=False),
+    Column("key", _C, nullable=False),
+    Column("attempt", Integer, nullable=False),
+    Column("worker", Text),
+    Column("failed_at", _TS, nullable=False),
+    Column("duration_ms", Double),
+    Column("kind", Text, nullable=False),
+    Column("error_type", Text),
+    Column("error", Text),
+    Column("traceback", Text),
+    Column("decision", Text, nullable=False),
+    Column("explanation", Text),
+    Column("next_retry_at", _TS),
+    Index("attempts_origin_idx", "origin", "origin_id"),
+    Index("attempts_message_idx", "message_id"),
+    Index("attempts_failed_at_brin", "failed_at", postgresql_using="brin"),
 )
 
 workers = Table(

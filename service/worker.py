@@ -30,6 +30,7 @@ from sqlalchemy.engine import Engine, RootTransaction
 from sqlalchemy.orm import Session
 from sqlalchemy.pool import StaticPool
 
+from service.breaker import BreakerSettings, BreakerState, CircuitBreaker
 from service.classify import Classification, Classifier, fingerprint
 from service.clock import Clock, SystemClock
 from service.db import query
@@ -61,6 +62,7 @@ class WorkerSettings:
     stale_after: float = 30.0
     grace_period: float = 30.0
     retry: RetryPolicy = field(default_factory=RetryPolicy)
+    breaker: BreakerSettings = field(default_factory=BreakerSettings)
 
     def __post_init__(self) -> None:
         for name in ("concurrency", "batch_size"):
@@ -102,6 +104,7 @@ class Worker:
         self.on_event = on_event
         self.id = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         self.classifier: Classifier = registry.classifier()
+        self.breaker = CircuitBreaker(settings.breaker)
         self._stopping = threading.Event()
         self._aborting = threading.Event()
         self._wake = threading.Condition()
@@ -258,6 +261,8 @@ class _Failure:
     decision: RetryAt | DeadLetter
     classification: Classification
     policy: str | None
+    duration_ms: float | None = None
+    kind: str = ""
 
 
 class _Slot:
@@ -343,8 +348,14 @@ class _Slot:
             while not self.worker.stopping:
                 generation = self.worker._generation
                 try:
-                    batch = self._claim()
+                    limit = self.worker.breaker.claim_limit(self.settings.batch_size)
+                    if limit == 0:  # circuit open: wait for the next probe
+                        self.worker._stopping.wait(min(self.settings.poll_interval, 0.5))
+                        continue
+                    batch = self._claim(limit)
                     if not batch:
+                        if limit == 1 and self.worker.breaker.state is BreakerState.HALF_OPEN:
+                            self.worker.breaker.release_probe()
                         self.worker._wait_for_work(generation)
                         continue
                     self._process(batch)
@@ -365,12 +376,12 @@ class _Slot:
         self._sa = None
         self.conn = self._connect()
 
-    def _claim(self) -> list[Message]:
+    def _claim(self, limit: int) -> list[Message]:
         assert self.conn is not None
         now = self.worker.clock.now()
         rows = self.conn.execute(
             query("inbox_claim").psycopg,
-            {"consumer": self.settings.consumer, "worker": self.worker.id, "limit": self.settings.batch_size,
+            {"consumer": self.settings.consumer, "worker": self.worker.id, "limit": limit,
              "lease": self.settings.lease_seconds, "now": now},
         ).fetchall()  # fmt: skip
         self.conn.commit()
@@ -391,8 +402,10 @@ class _Slot:
         try:
             savepoint = False
             for i, message in enumerate(batch):
-                if self.worker._aborting.is_set():
-                    unrun = batch[i:]
+                if self.worker._aborting.is_set() or (
+                    i > 0 and self.worker.breaker.state is not BreakerState.CLOSED
+                ):
+                    unrun = batch[i:]  # given back untouched: not an attempt
                     break
                 policy = self._policy(message)
                 if message.attempt > policy.max_attempts:
@@ -402,19 +415,32 @@ class _Slot:
                 conn.execute("RELEASE SAVEPOINT m; SAVEPOINT m" if savepoint else "SAVEPOINT m")
                 savepoint = True
                 in_flight = message
+                started = time.monotonic()
                 error = self._run_handler(message)
+                duration_ms = (time.monotonic() - started) * 1000.0
                 in_flight = None
                 if error is None:
                     done.append(message)
+                    self._breaker_record(False)
                     continue
                 if conn.closed or conn.broken:
                     raise psycopg.OperationalError("connection lost during the handler") from error
                 conn.execute("ROLLBACK TO SAVEPOINT m")
-                failures.append(self._failure(message, error))
+                failure = self._failure(message, error, duration_ms)
+                self._breaker_record(failure.classification.kind is FailureKind.TRANSIENT)
+                failures.append(failure)
             self._finish(done, failures, unrun)
         except psycopg.OperationalError:
             self._recover(batch, in_flight, done, failures)
             raise
+
+    def _breaker_record(self, transient_failure: bool) -> None:
+        before = self.worker.breaker.state
+        after = self.worker.breaker.record(transient_failure)
+        if after is not before:
+            level = logging.WARNING if after is BreakerState.OPEN else logging.INFO
+            log.log(level, "circuit %s for consumer %s", after.value, self.settings.consumer)
+            self.worker._emit(f"breaker_{after.value}", consumer=self.settings.consumer)
 
     def _policy(self, message: Message) -> RetryPolicy:
         spec = self.worker.registry.lookup(message.consumer, message.type)
@@ -430,6 +456,13 @@ class _Slot:
             from service.outcomes import Permanent
 
             return Permanent(f"no handler for consumer {message.consumer!r} and type {message.type!r}")
+        if spec.schema_versions is not None and message.schema_version not in spec.schema_versions:
+            from service.outcomes import Permanent
+
+            return Permanent(
+                f"unsupported schema_version {message.schema_version} (handler accepts "
+                f"{', '.join(map(str, sorted(spec.schema_versions)))})"
+            )
         ctx = Context(message, self.conn, self._session_factory)
         timeout = spec.timeout or self.settings.handler_timeout
         self._timed_out = False
@@ -480,7 +513,7 @@ class _Slot:
             except Exception:
                 log.debug("cancel failed", exc_info=True)
 
-    def _failure(self, message: Message, error: BaseException) -> _Failure:
+    def _failure(self, message: Message, error: BaseException, duration_ms: float | None = None) -> _Failure:
         spec = self.worker.registry.lookup(message.consumer, message.type)
         classification = self.worker.classifier.classify(error)
         now = self.worker.clock.now()
@@ -500,7 +533,14 @@ class _Slot:
             decision.explanation,
             extra=_log_fields(message, classification.error_type),
         )
-        return _Failure(message, decision, classification, spec.on_dead_letter if spec else None)
+        return _Failure(
+            message,
+            decision,
+            classification,
+            spec.on_dead_letter if spec else None,
+            duration_ms,
+            classification.kind.value,
+        )
 
     def _exhausted(self, message: Message, policy: RetryPolicy) -> _Failure:
         text = message.last_error or "worker died during the attempt"
@@ -512,7 +552,9 @@ class _Slot:
             f"delivered {message.attempt} times, over max_attempts {policy.max_attempts}: {text}",
         )
         spec = self.worker.registry.lookup(message.consumer, message.type)
-        return _Failure(message, decision, classification, spec.on_dead_letter if spec else None)
+        return _Failure(
+            message, decision, classification, spec.on_dead_letter if spec else None, None, "lease_expired"
+        )
 
     def _finish(self, done: list[Message], failures: list[_Failure], unrun: list[Message]) -> None:
         """Write the batch's outcomes in its transaction and commit; roll back if a claim was lost."""
@@ -551,19 +593,21 @@ class _Slot:
     def _write_failure(self, f: _Failure, now: datetime) -> None:
         assert self.conn is not None
         m, d, c = f.message, f.decision, f.classification
+        common = {
+            "id": m.id, "attempt": m.attempt, "now": now, "error_type": c.error_type, "kind": f.kind,
+            "traceback": c.traceback or None, "worker": self.worker.id, "duration_ms": f.duration_ms,
+            "explanation": d.explanation,
+        }  # fmt: skip
         if isinstance(d, RetryAt):
             self.conn.execute(
                 query("inbox_retry").psycopg,
-                {"id": m.id, "attempt": m.attempt, "now": now, "retry_at": d.at,
-                 "error": f"{c.message} [{d.explanation}]", "error_type": c.error_type},
-            )  # fmt: skip
+                {**common, "retry_at": d.at, "error": f"{c.message} [{d.explanation}]"},
+            )
         else:
             self.conn.execute(
                 query("inbox_dead_letter").psycopg,
-                {"id": m.id, "attempt": m.attempt, "now": now, "reason": d.reason,
-                 "error": f"{c.message} [{d.explanation}]", "error_type": c.error_type,
-                 "traceback": c.traceback or None, "fingerprint": fingerprint(c.error_type, c.message),
-                 "policy": f.policy},
+                {**common, "reason": d.reason, "error": f"{c.message} [{d.explanation}]",
+                 "fingerprint": fingerprint(c.error_type, c.message), "policy": f.policy},
             )  # fmt: skip
 
     def _release(self, messages: list[Message]) -> None:

@@ -22,7 +22,7 @@ FUNCTIONS = [
     "functions/outbox_publish_v1.sql",
     "functions/inbox_worker_v1.sql",
     "functions/aliases_v1.sql",
-    "views/inbox_views_v1.sql",
+    "views/views_v1.sql",
 ]
 
 TRIGGERS = """

@@ -34,3 +34,27 @@ END
 $$;
 COMMENT ON FUNCTION postbox.declare_consumer_v1(text, text, bigint, text, text, interval)
     IS 'Declare (or update) a consumer and its ordering policies.';
+
+-- Halt a consumer: workers claim nothing for it until it is resumed. Idempotent.
+CREATE OR REPLACE FUNCTION postbox.consumer_halt_v1(name text, reason text, halted_at timestamptz DEFAULT now())
+RETURNS void
+LANGUAGE sql VOLATILE AS $$
+    INSERT INTO postbox.consumers AS c (name, declared, halted_at, halted_reason)
+    VALUES (consumer_halt_v1.name, false, consumer_halt_v1.halted_at, consumer_halt_v1.reason)
+    ON CONFLICT ON CONSTRAINT consumers_pkey DO UPDATE
+       SET halted_at = coalesce(c.halted_at, excluded.halted_at),
+           halted_reason = coalesce(c.halted_reason, excluded.halted_reason), updated_at = now()
+$$;
+COMMENT ON FUNCTION postbox.consumer_halt_v1(text, text, timestamptz) IS 'Halt a consumer (its workers claim nothing) until consumer_resume_v1.';
+
+-- Resume a halted consumer; returns whether it was halted.
+CREATE OR REPLACE FUNCTION postbox.consumer_resume_v1(name text)
+RETURNS boolean
+LANGUAGE sql VOLATILE AS $$
+    WITH u AS (
+        UPDATE postbox.consumers c SET halted_at = NULL, halted_reason = NULL, updated_at = now()
+         WHERE c.name = consumer_resume_v1.name AND c.halted_at IS NOT NULL
+        RETURNING 1)
+    SELECT EXISTS (SELECT 1 FROM u)
+$$;
+COMMENT ON FUNCTION postbox.consumer_resume_v1(text) IS 'Resume a halted consumer.';

@@ -12,29 +12,40 @@ LANGUAGE sql VOLATILE AS $$
     -- claimable again. Any later synchronous commit (the handler's) flushes it too.
     SELECT set_config('synchronous_commit', 'off', true);
     WITH due AS (
-        SELECT i.id FROM postbox.inbox i
+        SELECT i.id, i.state AS was_state, i.claimed_by AS was_claimed_by, i.attempt AS was_attempt
+          FROM postbox.inbox i
          WHERE i.consumer = p_consumer
            AND i.state IN ('ready', 'running')
            AND i.available_at <= p_now
            AND NOT EXISTS (SELECT 1 FROM postbox.consumers c WHERE c.name = p_consumer AND c.halted_at IS NOT NULL)
          ORDER BY i.available_at, i.id
          LIMIT p_limit
-         FOR UPDATE SKIP LOCKED)
-    UPDATE postbox.inbox i
-       SET state = 'running',
-           attempt = i.attempt + 1,
-           claimed_by = p_worker,
-           claimed_at = p_now,
-           available_at = p_now + p_lease,
-           first_failed_at = CASE WHEN i.state = 'running' THEN coalesce(i.first_failed_at, p_now) ELSE i.first_failed_at END,
-           last_failed_at = CASE WHEN i.state = 'running' THEN p_now ELSE i.last_failed_at END,
-           last_error = CASE WHEN i.state = 'running'
-                             THEN format('lease expired: worker %s died or stalled during attempt %s', i.claimed_by, i.attempt)
-                             ELSE i.last_error END,
-           last_error_type = CASE WHEN i.state = 'running' THEN 'LeaseExpired' ELSE i.last_error_type END
-      FROM due
-     WHERE i.id = due.id
-    RETURNING i.*
+         FOR UPDATE SKIP LOCKED),
+    claimed AS (
+        UPDATE postbox.inbox i
+           SET state = 'running',
+               attempt = i.attempt + 1,
+               claimed_by = p_worker,
+               claimed_at = p_now,
+               available_at = p_now + p_lease,
+               first_failed_at = CASE WHEN due.was_state = 'running' THEN coalesce(i.first_failed_at, p_now) ELSE i.first_failed_at END,
+               last_failed_at = CASE WHEN due.was_state = 'running' THEN p_now ELSE i.last_failed_at END,
+               last_error = CASE WHEN due.was_state = 'running'
+                                 THEN format('lease expired: worker %s died or stalled during attempt %s', i.claimed_by, i.attempt)
+                                 ELSE i.last_error END,
+               last_error_type = CASE WHEN due.was_state = 'running' THEN 'LeaseExpired' ELSE i.last_error_type END
+          FROM due
+         WHERE i.id = due.id
+        RETURNING i.*),
+    expired AS (
+        -- A lease that ran out is a failed attempt too: the worker died or stalled mid-handler.
+        INSERT INTO postbox.attempts (origin, origin_id, queue, message_id, key, attempt, worker, failed_at,
+                                      kind, error_type, error, decision, explanation)
+        SELECT 'inbox', c.id, c.consumer, c.message_id, c.key, due.was_attempt, due.was_claimed_by, p_now,
+               'lease_expired', 'LeaseExpired', c.last_error, 'retry', 'delivered again after the lease ran out'
+          FROM claimed c JOIN due ON due.id = c.id
+         WHERE due.was_state = 'running')
+    SELECT * FROM claimed
 $$;
 COMMENT ON FUNCTION postbox.inbox_claim_v1(text, text, integer, interval, timestamptz)
     IS 'Worker: claim due heads of a consumer (SKIP LOCKED), counting a delivery on each.';
@@ -101,10 +112,12 @@ END
 $$;
 
 -- A failed attempt that will be retried: the message stays the head of its key (later messages
--- stay behind it) and becomes claimable again at p_retry_at. Returns false if the claim is lost.
+-- stay behind it) and becomes claimable again at p_retry_at. The attempt is recorded in
+-- postbox.attempts with its explanation. Returns false if the claim is no longer ours.
 CREATE OR REPLACE FUNCTION postbox.inbox_retry_v1(
     p_id bigint, p_attempt integer, p_now timestamptz, p_retry_at timestamptz,
-    p_error text, p_error_type text)
+    p_error text, p_error_type text, p_kind text DEFAULT 'transient', p_traceback text DEFAULT NULL,
+    p_worker text DEFAULT NULL, p_duration_ms double precision DEFAULT NULL, p_explanation text DEFAULT NULL)
 RETURNS boolean
 LANGUAGE sql VOLATILE AS $$
     WITH u AS (
@@ -113,19 +126,28 @@ LANGUAGE sql VOLATILE AS $$
                first_failed_at = coalesce(first_failed_at, p_now), last_failed_at = p_now,
                last_error = p_error, last_error_type = p_error_type
          WHERE id = p_id AND attempt = p_attempt AND state = 'running'
-        RETURNING 1)
+        RETURNING id, consumer, message_id, key),
+    a AS (
+        INSERT INTO postbox.attempts (origin, origin_id, queue, message_id, key, attempt, worker, failed_at,
+                                      duration_ms, kind, error_type, error, traceback, decision, explanation,
+                                      next_retry_at)
+        SELECT 'inbox', u.id, u.consumer, u.message_id, u.key, p_attempt, p_worker, p_now, p_duration_ms,
+               p_kind, p_error_type, p_error, p_traceback, 'retry', p_explanation, p_retry_at
+          FROM u)
     SELECT EXISTS (SELECT 1 FROM u)
 $$;
-COMMENT ON FUNCTION postbox.inbox_retry_v1(bigint, integer, timestamptz, timestamptz, text, text)
+COMMENT ON FUNCTION postbox.inbox_retry_v1(bigint, integer, timestamptz, timestamptz, text, text, text, text, text, double precision, text)
     IS 'Worker: record a failed attempt and schedule the next at p_retry_at; the key stays held.';
 
 -- Move a message to postbox.dead_letters, atomically with taking it out of the live flow, and apply
 -- the ordering policy (p_policy, or the consumer's on_dead_letter): block keeps the key held behind
 -- a 'blocked' head, skip lets the key go on, halt blocks the key and halts the consumer.
--- Returns the dead letter's id, or NULL if the claim is lost.
+-- Returns the dead letter's id, or NULL if the claim is no longer ours.
 CREATE OR REPLACE FUNCTION postbox.inbox_dead_letter_v1(
     p_id bigint, p_attempt integer, p_now timestamptz, p_reason text, p_error text,
-    p_error_type text, p_traceback text, p_fingerprint text, p_policy text DEFAULT NULL)
+    p_error_type text, p_traceback text, p_fingerprint text, p_policy text DEFAULT NULL,
+    p_kind text DEFAULT 'permanent', p_worker text DEFAULT NULL, p_duration_ms double precision DEFAULT NULL,
+    p_explanation text DEFAULT NULL)
 RETURNS bigint
 LANGUAGE plpgsql VOLATILE AS $$
 DECLARE
@@ -133,7 +155,7 @@ DECLARE
     v_policy  text;
     v_dl      bigint;
 BEGIN
-    SELECT consumer, key INTO v_row FROM postbox.inbox
+    SELECT consumer, key, message_id INTO v_row FROM postbox.inbox
      WHERE id = p_id AND attempt = p_attempt AND state = 'running';
     IF NOT FOUND THEN
         RETURN NULL;
@@ -145,6 +167,11 @@ BEGIN
     END IF;
     SELECT coalesce(p_policy, c.on_dead_letter) INTO v_policy FROM postbox.consumers c WHERE c.name = v_row.consumer;
     v_policy := coalesce(v_policy, p_policy, 'block');
+    INSERT INTO postbox.attempts (origin, origin_id, queue, message_id, key, attempt, worker, failed_at,
+                                  duration_ms, kind, error_type, error, traceback, decision, explanation)
+    VALUES ('inbox', p_id, v_row.consumer, v_row.message_id, v_row.key, p_attempt, p_worker, p_now,
+            p_duration_ms, p_kind, p_error_type, p_error, p_traceback, 'dead_letter',
+            coalesce(p_explanation, p_reason) || ' (' || v_policy || ')');
     v_dl := postbox.inbox_copy_to_dead_letters_v1(p_id, p_reason, p_error, p_error_type, p_traceback,
                                                   p_fingerprint, v_policy, p_now);
     IF v_policy = 'skip' THEN
@@ -156,17 +183,13 @@ BEGIN
                last_error = coalesce(p_error, last_error), last_error_type = coalesce(p_error_type, last_error_type)
          WHERE id = p_id;
         IF v_policy = 'halt' THEN
-            INSERT INTO postbox.consumers AS c (name, declared, halted_at, halted_reason)
-            VALUES (v_row.consumer, false, p_now, format('dead letter %s (message %s): %s', v_dl, p_id, p_reason))
-            ON CONFLICT ON CONSTRAINT consumers_pkey DO UPDATE
-               SET halted_at = coalesce(c.halted_at, excluded.halted_at),
-                   halted_reason = coalesce(c.halted_reason, excluded.halted_reason), updated_at = now();
+            PERFORM postbox.consumer_halt_v1(v_row.consumer, format('dead letter %s (inbox %s): %s', v_dl, p_id, p_reason), p_now);
         END IF;
     END IF;
     RETURN v_dl;
 END
 $$;
-COMMENT ON FUNCTION postbox.inbox_dead_letter_v1(bigint, integer, timestamptz, text, text, text, text, text, text)
+COMMENT ON FUNCTION postbox.inbox_dead_letter_v1(bigint, integer, timestamptz, text, text, text, text, text, text, text, text, double precision, text)
     IS 'Worker: dead-letter a claimed message and apply the ordering policy (block, skip, halt).';
 
 -- Give claimed messages back without counting the attempt (shutdown, or a batch that could not run).

@@ -12,11 +12,13 @@ SELECT postbox.inbox_complete_v1(CAST(:ids AS bigint[]), CAST(:attempts AS integ
 
 -- name: inbox_retry
 SELECT postbox.inbox_retry_v1(CAST(:id AS bigint), CAST(:attempt AS integer), CAST(:now AS timestamptz),
-                              CAST(:retry_at AS timestamptz), :error, :error_type);
+                              CAST(:retry_at AS timestamptz), :error, :error_type, :kind, :traceback,
+                              :worker, CAST(:duration_ms AS double precision), :explanation);
 
 -- name: inbox_dead_letter
 SELECT postbox.inbox_dead_letter_v1(CAST(:id AS bigint), CAST(:attempt AS integer), CAST(:now AS timestamptz),
-                                    :reason, :error, :error_type, :traceback, :fingerprint, :policy);
+                                    :reason, :error, :error_type, :traceback, :fingerprint, :policy, :kind,
+                                    :worker, CAST(:duration_ms AS double precision), :explanation);
 
 -- name: inbox_release
 SELECT postbox.inbox_release_v1(CAST(:ids AS bigint[]), CAST(:attempts AS integer[]), CAST(:now AS timestamptz));

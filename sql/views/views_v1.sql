@@ -53,3 +53,40 @@ SELECT w.*, now() - w.heartbeat_at AS since_heartbeat,
        (SELECT count(*) FROM postbox.inbox i WHERE i.state = 'running' AND i.claimed_by = w.id) AS inbox_in_flight
   FROM postbox.workers w;
 COMMENT ON VIEW postbox.live_workers IS 'Registered processes with their heartbeat age and in-flight inbox messages.';
+
+-- Dead letters for DBAs (DLQ-3): how many, how old, grouped by cause.
+CREATE OR REPLACE VIEW postbox.dead_letter_summary AS
+SELECT origin,
+       coalesce(consumer, destination)          AS queue,
+       count(*)                                 AS open,
+       min(dead_lettered_at)                    AS oldest_at,
+       now() - min(dead_lettered_at)            AS oldest_age,
+       max(dead_lettered_at)                    AS newest_at
+  FROM postbox.dead_letters
+ WHERE status = 'open'
+ GROUP BY origin, coalesce(consumer, destination);
+COMMENT ON VIEW postbox.dead_letter_summary IS 'Open dead letters per consumer or destination: count and age of the oldest (alert on these).';
+
+CREATE OR REPLACE VIEW postbox.dead_letter_groups AS
+SELECT origin,
+       coalesce(consumer, destination)          AS queue,
+       type,
+       reason,
+       fingerprint,
+       count(*)                                 AS open,
+       min(dead_lettered_at)                    AS oldest_at,
+       max(dead_lettered_at)                    AS newest_at,
+       count(DISTINCT key)                      AS keys,
+       (array_agg(last_error ORDER BY dead_lettered_at DESC))[1] AS latest_error
+  FROM postbox.dead_letters
+ WHERE status = 'open'
+ GROUP BY origin, coalesce(consumer, destination), type, reason, fingerprint;
+COMMENT ON VIEW postbox.dead_letter_groups IS 'Open dead letters grouped by queue, type, reason and error fingerprint, with the newest error text.';
+
+CREATE OR REPLACE VIEW postbox.inbox_by_attempt AS
+SELECT consumer, attempt, state, count(*) AS messages,
+       min(first_failed_at) AS earliest_first_failure
+  FROM postbox.inbox
+ WHERE attempt > 0 OR state <> 'pending'
+ GROUP BY consumer, attempt, state;
+COMMENT ON VIEW postbox.inbox_by_attempt IS 'Live messages by consumer, attempt number and state (retries in flight show attempt > 1 or a next_retry_at).';

@@ -1,0 +1,154 @@
+"""Per-consumer and per-message-type policies from a TOML file, validated with errors that name the
+setting, then applied to a handler registry.
+
+    [consumers.billing]
+    sequence_mode = "arrival"            # arrival | monotonic | gapless
+    on_dead_letter = "block"             # block | skip | halt
+    retry = { strategy = "exponential_full_jitter", base_delay = 1, max_delay = 300, max_attempts = 10 }
+    breaker = { failure_ratio = 0.8, probe_interval = 5 }
+
+    [consumers.billing.types."order.paid"]
+    retry = { max_attempts = 5 }         # merged over the consumer's retry settings
+    on_dead_letter = "skip"
+    idempotent = true
+
+Precedence: the file overrides what the handlers declare in Python, which overrides the defaults.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from service.breaker import BreakerSettings
+from service.errors import ConfigError
+from service.handlers import Registry
+from service.policy import RetryPolicy
+
+__all__ = [
+    "ConsumerPolicy",
+    "PoliciesConfig",
+    "TypePolicy",
+    "apply_policies",
+    "check_retention",
+    "load_policies",
+]
+
+DAY = 86400.0
+
+
+class TypePolicy(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    retry: dict[str, Any] | None = None
+    on_dead_letter: Literal["block", "skip", "halt"] | None = None
+    idempotent: bool | None = None
+    timeout: float | None = Field(default=None, gt=0)
+
+
+class ConsumerPolicy(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    sequence_mode: Literal["arrival", "monotonic", "gapless"] = "arrival"
+    first_sequence: int = Field(default=1, ge=0)
+    late_policy: Literal["dead_letter", "skip", "process"] = "dead_letter"
+    on_dead_letter: Literal["block", "skip", "halt"] = "block"
+    gap_timeout_seconds: float | None = Field(default=None, gt=0)
+    retry: dict[str, Any] = Field(default_factory=dict)
+    breaker: BreakerSettings = Field(default_factory=BreakerSettings)
+    types: dict[str, TypePolicy] = Field(default_factory=dict)
+
+    def retry_policy(self, type_: str | None = None) -> RetryPolicy:
+        merged = dict(self.retry)
+        if type_ is not None and type_ in self.types and self.types[type_].retry:
+            merged.update(self.types[type_].retry or {})
+        return RetryPolicy(**merged)
+
+
+class PoliciesConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    dedup_retention_seconds: float = Field(default=7 * DAY, gt=0)
+    replay_window_seconds: float = Field(default=1 * DAY, ge=0)
+    consumers: dict[str, ConsumerPolicy] = Field(default_factory=dict)
+
+
+def _errors(error: ValidationError, prefix: str = "") -> str:
+    return "; ".join(
+        f"{prefix}{'.'.join(str(p) for p in e['loc'])}: {e['msg'].removeprefix('Value error, ')}"
+        for e in error.errors()
+    )
+
+
+def load_policies(data: dict[str, Any] | Path | None) -> PoliciesConfig:
+    """Policies from a parsed TOML document (or its path); every problem named by its setting path."""
+    if data is None:
+        return PoliciesConfig()
+    if isinstance(data, Path):
+        try:
+            data = tomllib.loads(data.read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            raise ConfigError(f"config file {data} does not exist") from None
+        except tomllib.TOMLDecodeError as error:
+            raise ConfigError(f"config file {data} is not valid TOML: {error}") from None
+    section = {
+        k: v
+        for k, v in data.get("postbox", {}).items()
+        if k in ("dedup_retention_seconds", "replay_window_seconds")
+    }
+    try:
+        config = PoliciesConfig(consumers=data.get("consumers", {}), **section)
+    except ValidationError as error:
+        raise ConfigError(f"invalid configuration: {_errors(error)}") from None
+    for name, consumer in config.consumers.items():
+        for type_ in (None, *consumer.types):
+            try:
+                consumer.retry_policy(type_)
+            except ValidationError as error:
+                where = f"consumers.{name}." + (f"types.{type_}." if type_ else "") + "retry."
+                raise ConfigError(f"invalid configuration: {_errors(error, where)}") from None
+    return config
+
+
+def apply_policies(registry: Registry, config: PoliciesConfig) -> Registry:
+    """A copy of ``registry`` with the file's retry, dead-letter and idempotency settings applied."""
+    out = Registry(
+        dict(registry.handlers), dict(registry.retry_policies), list(registry.rules), list(registry.listeners)
+    )
+    for consumer, policy in config.consumers.items():
+        out.retry_policies[consumer] = policy.retry_policy()
+        for type_, tp in policy.types.items():
+            spec = out.lookup(consumer, type_)
+            if spec is None:
+                raise ConfigError(f"consumers.{consumer}.types.{type_}: no handler is registered for it")
+            out.handlers[(consumer, type_)] = dataclasses.replace(
+                spec,
+                type=type_,
+                retry=policy.retry_policy(type_) if tp.retry else spec.retry,
+                on_dead_letter=tp.on_dead_letter or spec.on_dead_letter,
+                idempotent=spec.idempotent if tp.idempotent is None else tp.idempotent,
+                timeout=tp.timeout or spec.timeout,
+            )
+        for (c, t), spec in list(out.handlers.items()):
+            if c == consumer and spec.on_dead_letter is None and policy.on_dead_letter != "block":
+                out.handlers[(c, t)] = dataclasses.replace(spec, on_dead_letter=policy.on_dead_letter)
+    return out
+
+
+def check_retention(config: PoliciesConfig, registry: Registry, default: RetryPolicy) -> None:
+    """Refuse a deduplication window shorter than the longest retry horizon plus the replay window:
+    a redelivery after that could be taken for a new message."""
+    policies = [default, *registry.retry_policies.values()]
+    policies += [s.retry for s in registry.handlers.values() if s.retry is not None]
+    horizon = max(p.horizon_seconds() for p in policies)
+    needed = horizon + config.replay_window_seconds
+    if config.dedup_retention_seconds < needed:
+        raise ConfigError(
+            f"dedup_retention_seconds ({config.dedup_retention_seconds:g}) is shorter than the longest retry "
+            f"horizon ({horizon:g} s) plus replay_window_seconds ({config.replay_window_seconds:g}): "
+            f"a late redelivery could be processed twice. Raise it to at least {needed:g}."
+        )
