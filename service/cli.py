@@ -8,11 +8,17 @@ import sys
 from pathlib import Path
 
 import click
+import psycopg
+import sqlalchemy.exc
 
 from service import migrate as migrations
+from service.breaker import BreakerSettings
+from service.config import apply_policies, check_retention, load_policies
 from service.embedded import resolve_database_url
 from service.errors import ConfigError
 from service.handlers import Registry
+from service.policy import RetryPolicy
+from service.producer import declare_consumer
 from service.settings import Settings, load_settings, mask_url
 from service.worker import Worker, WorkerSettings
 
@@ -125,6 +131,24 @@ def worker(
     a second one aborts at once, giving unfinished messages back.
     """
     registry = _load_registry(app)
+    config_path = ctx.ensure_object(dict).get("config") or _settings(ctx).config
+    policies = load_policies(config_path)
+    consumer_policy = policies.consumers.get(consumer)
+    registry = apply_policies(registry, policies)
+    check_retention(policies, registry, RetryPolicy())
+    url = _url(ctx)
+    if consumer_policy is not None:
+        with psycopg.connect(url) as conn:
+            declare_consumer(
+                conn,
+                consumer,
+                sequence_mode=consumer_policy.sequence_mode,
+                first_sequence=consumer_policy.first_sequence,
+                late_policy=consumer_policy.late_policy,
+                on_dead_letter=consumer_policy.on_dead_letter,
+                gap_timeout_seconds=consumer_policy.gap_timeout_seconds,
+            )
+            conn.commit()
     try:
         settings = WorkerSettings(
             consumer=consumer,
@@ -137,8 +161,10 @@ def worker(
             heartbeat_interval=heartbeat_interval,
             stale_after=stale_after,
             lease=lease,
+            retry=consumer_policy.retry_policy() if consumer_policy else RetryPolicy(),
+            breaker=consumer_policy.breaker if consumer_policy else BreakerSettings(),
         )
-        w = Worker(_url(ctx), registry, settings)
+        w = Worker(url, registry, settings)
     except ValueError as error:
         raise click.ClickException(str(error)) from None
     signals = {"count": 0}
@@ -163,3 +189,8 @@ def main() -> None:
     except ConfigError as error:
         click.echo(f"postbox: {error}", err=True)
         sys.exit(2)
+    except (psycopg.OperationalError, sqlalchemy.exc.OperationalError) as error:
+        orig = getattr(error, "orig", None) or error
+        detail = str(orig).strip().splitlines()[0] if str(orig).strip() else type(orig).__name__
+        click.echo(f"postbox: cannot reach the database: {detail}", err=True)
+        sys.exit(1)

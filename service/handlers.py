@@ -128,8 +128,14 @@ class Registry:
         timeout: float | None = None,
         retry: RetryPolicy | None = None,
         on_dead_letter: str | None = None,
+        schema_versions: Iterable[int] | None = None,
     ) -> Callable[[HandlerFunc], HandlerFunc]:
-        """Decorator: register ``func`` for ``consumer`` and ``type``."""
+        """Decorator: register ``func`` for ``consumer`` and ``type``.
+
+        ``idempotent`` lets unknown outcomes be retried; ``timeout`` (seconds) bounds an attempt;
+        ``retry`` and ``on_dead_letter`` override the consumer's policies for this type;
+        ``schema_versions`` lists the versions it understands (others are dead-lettered at once).
+        """
 
         def register(func: HandlerFunc) -> HandlerFunc:
             self.add(
@@ -140,6 +146,7 @@ class Registry:
                 timeout=timeout,
                 retry=retry,
                 on_dead_letter=on_dead_letter,
+                schema_versions=schema_versions,
             )
             return func
 
@@ -163,8 +170,9 @@ class Registry:
             raise ValueError("postbox: on_dead_letter must be block, skip or halt")
         if timeout is not None and timeout <= 0:
             raise ValueError("postbox: timeout must be positive")
+        versions = frozenset(schema_versions) if schema_versions is not None else None
         self.handlers[(consumer, type)] = HandlerSpec(
-            func, consumer, type, idempotent, timeout, retry, on_dead_letter
+            func, consumer, type, idempotent, timeout, retry, on_dead_letter, versions
         )
 
     def lookup(self, consumer: str, type: str | None) -> HandlerSpec | None:

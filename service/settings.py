@@ -31,6 +31,12 @@ class Settings(BaseSettings):
         default=Path(".pgdata"), description="Data folder of the embedded PostgreSQL."
     )
     config: Path | None = Field(default=None, description="TOML file with further settings.")
+    dedup_retention_seconds: float = Field(
+        default=7 * 86400.0, gt=0, description="How long a processed message id is remembered."
+    )
+    replay_window_seconds: float = Field(
+        default=86400.0, ge=0, description="How long after dead-lettering a replay is expected."
+    )
 
     @classmethod
     def settings_customise_sources(
@@ -51,7 +57,7 @@ def _read_toml(path: Path) -> dict[str, Any]:
         raise ConfigError(f"config file {path} does not exist") from None
     except tomllib.TOMLDecodeError as error:
         raise ConfigError(f"config file {path} is not valid TOML: {error}") from None
-    section = data.get("postbox", data)
+    section = data.get("postbox", {})
     if not isinstance(section, dict):
         raise ConfigError(f"config file {path}: [postbox] must be a table")
     return section

@@ -356,6 +356,7 @@ class _Slot:
                     if not batch:
                         if limit == 1 and self.worker.breaker.state is BreakerState.HALF_OPEN:
                             self.worker.breaker.release_probe()
+                        self.worker._emit("idle", slot=self.index)
                         self.worker._wait_for_work(generation)
                         continue
                     self._process(batch)

@@ -164,3 +164,32 @@ def test_the_checker_catches_loss_duplicates_and_reordering(chk_db):
     assert len(report.order_violations) >= 2
     with pytest.raises(AssertionError):
         report.assert_ok()
+
+
+def test_invariants_with_transient_and_permanent_failures(chk_db):
+    """A mix of transient (10%) and permanent (3%) failures under concurrency: every message done or
+    dead-lettered, none twice, no duplicate effect, order kept (skipping only the dead letters)."""
+    report, _ = _scenario(
+        chk_db.url, count=1500, keys=150, env={"CHECKER_FAIL_RATE": "0.1", "CHECKER_PERMANENT_RATE": "0.03"}
+    )
+    report.assert_ok()
+    assert report.dead_lettered > 0 and report.done + report.dead_lettered == report.produced
+    assert (
+        scalar(
+            chk_db.url,
+            "SELECT count(*) FROM (SELECT message_id FROM postbox.dead_letters GROUP BY 1 HAVING count(*) > 1) d",
+        )
+        == 0
+    )
+    assert scalar(chk_db.url, "SELECT count(*) FROM postbox.dead_letters WHERE reason <> 'permanent'") == 0
+    # A permanent failure is never retried: one permanent attempt per dead letter, and it is the last.
+    assert (
+        scalar(
+            chk_db.url,
+            """
+        SELECT count(*) FROM postbox.dead_letters d
+         WHERE (SELECT count(*) FROM postbox.attempts a WHERE a.message_id = d.message_id AND a.kind = 'permanent') <> 1
+            OR (SELECT max(attempt) FROM postbox.attempts a WHERE a.message_id = d.message_id) <> d.attempt""",
+        )
+        == 0
+    )

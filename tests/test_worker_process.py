@@ -24,9 +24,27 @@ def db(database):
 
 def spawn(url: str, *args: str) -> subprocess.Popen[bytes]:
     return subprocess.Popen(
-        [sys.executable, "-m", "service", "--database-url", url, "worker", "--consumer", "basic",
-         "--app", "tests.apps.basic:registry", "--heartbeat-interval", "0.3", "--stale-after", "1.5", *args],
-        cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        [
+            sys.executable,
+            "-m",
+            "service",
+            "--database-url",
+            url,
+            "worker",
+            "--consumer",
+            "basic",
+            "--app",
+            "tests.apps.basic:registry",
+            "--heartbeat-interval",
+            "0.3",
+            "--stale-after",
+            "1.5",
+            *args,
+        ],
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
     )
 
 
@@ -73,7 +91,9 @@ def test_sigterm_during_a_long_handler_finishes_it_and_unregisters(db):
     worker row is gone and nothing is left claimed."""
     p = spawn(db.url, "--poll-interval", "0.05")
     try:
-        receive(db.url, {"message_id": "long", "payload": {"sleep": 1.5}}, {"message_id": "after", "payload": {}})
+        receive(
+            db.url, {"message_id": "long", "payload": {"sleep": 1.5}}, {"message_id": "after", "payload": {}}
+        )
         eventually(lambda: scalar(db.url, "SELECT count(*) FROM postbox.inbox WHERE state = 'running'") >= 1)
         p.send_signal(signal.SIGTERM)
         assert p.wait(30) == 0
@@ -91,9 +111,14 @@ def test_stalled_worker_cannot_commit_after_its_claim_passed_on(db):
     a = spawn(db.url, "--poll-interval", "0.05", "--lease", "2")
     try:
         eventually(lambda: scalar(db.url, "SELECT count(*) FROM postbox.workers") == 1)
-        receive(db.url, {"message_id": "m", "key": "k", "payload": {"sleep": 1.0}},
-                {"message_id": "n", "key": "k", "payload": {}})
-        eventually(lambda: scalar(db.url, "SELECT state FROM postbox.inbox WHERE message_id = 'm'") == "running")
+        receive(
+            db.url,
+            {"message_id": "m", "key": "k", "payload": {"sleep": 1.0}},
+            {"message_id": "n", "key": "k", "payload": {}},
+        )
+        eventually(
+            lambda: scalar(db.url, "SELECT state FROM postbox.inbox WHERE message_id = 'm'") == "running"
+        )
         a.send_signal(signal.SIGSTOP)
         b = spawn(db.url, "--poll-interval", "0.05", "--lease", "2")
         try:
@@ -123,11 +148,22 @@ def test_sql_fencing_refuses_a_stale_claim(db):
     """inbox_complete_v1 with an attempt that is no longer current completes nothing."""
     receive(db.url, {"message_id": "m", "payload": {}})
     with psycopg.connect(db.url, autocommit=True) as c:
-        (mid, a1), = c.execute("SELECT id, attempt FROM postbox.inbox_claim_v1('basic', 'w1', 1, '1 second', now())").fetchall()
-        (_, a2), = c.execute("SELECT id, attempt FROM postbox.inbox_claim_v1('basic', 'w2', 1, '1 minute', now() + interval '2 seconds')").fetchall()
+        ((mid, a1),) = c.execute(
+            "SELECT id, attempt FROM postbox.inbox_claim_v1('basic', 'w1', 1, '1 second', now())"
+        ).fetchall()
+        ((_, a2),) = c.execute(
+            "SELECT id, attempt FROM postbox.inbox_claim_v1('basic', 'w2', 1, '1 minute', now() + interval '2 seconds')"
+        ).fetchall()
         assert (a1, a2) == (1, 2)
-        assert c.execute("SELECT postbox.inbox_complete_v1(%s, %s, now())", ([mid], [a1])).fetchone()[0] == [mid]
-        assert c.execute("SELECT postbox.inbox_retry_v1(%s, %s, now(), now(), 'x', 'y')", (mid, a1)).fetchone()[0] is False
+        assert c.execute("SELECT postbox.inbox_complete_v1(%s, %s, now())", ([mid], [a1])).fetchone()[0] == [
+            mid
+        ]
+        assert (
+            c.execute("SELECT postbox.inbox_retry_v1(%s, %s, now(), now(), 'x', 'y')", (mid, a1)).fetchone()[
+                0
+            ]
+            is False
+        )
         assert c.execute("SELECT postbox.inbox_complete_v1(%s, %s, now())", ([mid], [a2])).fetchone()[0] == []
         row = c.execute("SELECT last_error_type FROM postbox.dead_letters").fetchone()
         assert row is None

@@ -7,6 +7,7 @@ variables so that every process of a run misbehaves the same way:
 - ``CHECKER_FAIL_RATE``: share of attempts that fail transiently (decided by a hash, reproducible);
 - ``CHECKER_DIE_RATE``: share of attempts whose process SIGKILLs itself, at a point chosen among
   before the effect, after the effect but before commit, and after commit;
+- ``CHECKER_PERMANENT_RATE``: share of messages that always fail permanently (dead-lettered, skipped);
 - payload ``{"poison": true}``: the process kills itself on every attempt of that message.
 """
 
@@ -18,11 +19,13 @@ import signal
 from typing import Any
 
 from service.handlers import Context, Message, Registry
+from service.outcomes import Permanent
 from service.policy import Backoff, RetryPolicy
 from tests.helpers import record_effect
 
 FAIL_RATE = float(os.environ.get("CHECKER_FAIL_RATE", "0"))
 DIE_RATE = float(os.environ.get("CHECKER_DIE_RATE", "0"))
+PERMANENT_RATE = float(os.environ.get("CHECKER_PERMANENT_RATE", "0"))
 POLICY = RetryPolicy(
     strategy=Backoff.EXPONENTIAL_FULL_JITTER,
     base_delay=0.01,
@@ -54,6 +57,11 @@ def handle(message: Message, ctx: Context) -> None:
         _die()
     if _roll(message, "fail") < FAIL_RATE:
         raise ConnectionError("injected transient failure")
+    if (
+        int.from_bytes(hashlib.sha256(f"{message.message_id}/permanent".encode()).digest()[:8], "big") / 2**64
+        < PERMANENT_RATE
+    ):
+        raise Permanent(f"injected permanent failure of {message.message_id}")
     record_effect(ctx.conn, message.message_id, message.key, message.sequence, message.attempt)
     if die and point == 1:
         _die()
