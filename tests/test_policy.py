@@ -154,7 +154,7 @@ def test_max_delay_caps_computed_delays_and_refuses_longer_explicit_ones():
 def test_permanent_and_unknown_outcomes():
     """Permanent: dead-lettered at once. Unknown: retried only when the handler is idempotent."""
     p = RetryPolicy()
-    kw = dict(attempt=1, now=T0, first_failed_at=None, received_at=T0, rng=random.Random())
+    kw = {"attempt": 1, "now": T0, "first_failed_at": None, "received_at": T0, "rng": random.Random()}
     assert decide(p, FailureKind.PERMANENT, **kw).reason == "permanent"
     assert decide(p, FailureKind.UNKNOWN, **kw).reason == "unknown_outcome"
     assert isinstance(decide(p, FailureKind.UNKNOWN, idempotent=True, **kw), RetryAt)
