@@ -25,5 +25,8 @@ lint: install
 test: lint
 	$(BIN)/pytest $(PYTEST_ARGS)
 
+demo: install
+	$(BIN)/postbox demo
+
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache .hypothesis bench-results

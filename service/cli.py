@@ -183,6 +183,16 @@ def worker(
     w.run()
 
 
+@cli.command()
+@click.pass_context
+def demo(ctx: click.Context) -> None:
+    """Run the order scenario end to end (embedded PostgreSQL unless a database URL is given)."""
+    from service.demo import run_demo
+
+    s = _settings(ctx)
+    run_demo(s.database_url.get_secret_value() if s.database_url else None, s.embedded_data_dir)
+
+
 def main() -> None:
     try:
         cli(obj={})

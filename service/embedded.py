@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -15,12 +16,14 @@ def embedded_server(data_dir: Path, *, cleanup: str | None = "stop") -> Any:
 
     ``cleanup="stop"`` stops it when the last Python user exits; ``None`` leaves it running.
     """
-    import pgserver  # imported lazily: starting it is slow and most processes never need it
-
     path = data_dir.resolve()
     if path not in _servers:
-        path.mkdir(parents=True, exist_ok=True)
-        _servers[path] = pgserver.get_server(path, cleanup_mode=cleanup)  # type: ignore[attr-defined]
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # platformdirs complains about XDG_RUNTIME_DIR on servers
+            import pgserver  # imported lazily: starting it is slow and most processes never need it
+
+            path.mkdir(parents=True, exist_ok=True)
+            _servers[path] = pgserver.get_server(path, cleanup_mode=cleanup)  # type: ignore[attr-defined]
     return _servers[path]
 
 

@@ -600,14 +600,11 @@ class _Slot:
             "explanation": d.explanation,
         }  # fmt: skip
         if isinstance(d, RetryAt):
-            self.conn.execute(
-                query("inbox_retry").psycopg,
-                {**common, "retry_at": d.at, "error": f"{c.message} [{d.explanation}]"},
-            )
+            self.conn.execute(query("inbox_retry").psycopg, {**common, "retry_at": d.at, "error": c.message})
         else:
             self.conn.execute(
                 query("inbox_dead_letter").psycopg,
-                {**common, "reason": d.reason, "error": f"{c.message} [{d.explanation}]",
+                {**common, "reason": d.reason, "error": c.message,
                  "fingerprint": fingerprint(c.error_type, c.message), "policy": f.policy},
             )  # fmt: skip
 
