@@ -25,6 +25,12 @@ lint: install
 test: lint
 	$(BIN)/pytest $(PYTEST_ARGS)
 
+bench: install
+	$(BIN)/python -m tests.bench
+
+bench-quick: install
+	$(BIN)/python -m tests.bench --quick
+
 demo: install
 	$(BIN)/postbox demo
 

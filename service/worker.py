@@ -380,12 +380,17 @@ class _Slot:
     def _claim(self, limit: int) -> list[Message]:
         assert self.conn is not None
         now = self.worker.clock.now()
-        rows = self.conn.execute(
-            query("inbox_claim").psycopg,
-            {"consumer": self.settings.consumer, "worker": self.worker.id, "limit": limit,
-             "lease": self.settings.lease_seconds, "now": now},
-        ).fetchall()  # fmt: skip
-        self.conn.commit()
+        # The claim is a transaction of its own: one statement in autocommit, one round trip.
+        self.conn.autocommit = True
+        try:
+            rows = self.conn.execute(
+                query("inbox_claim").psycopg,
+                {"consumer": self.settings.consumer, "worker": self.worker.id, "limit": limit,
+                 "lease": self.settings.lease_seconds, "now": now},
+            ).fetchall()  # fmt: skip
+        finally:
+            if not self.conn.closed:
+                self.conn.autocommit = False
         batch = [Message.model_construct(**dict(zip(_MESSAGE_FIELDS, r, strict=True))) for r in rows]
         if batch:
             self.worker._emit("claimed", ids=[m.id for m in batch])

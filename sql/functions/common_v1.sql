@@ -43,6 +43,8 @@ $$;
 -- Advisory lock on one key of the inbox (class 1) or outbox (class 2). Collisions of the hash only
 -- serialise two keys a little more; they never break correctness.
 CREATE OR REPLACE FUNCTION postbox.lock_key_v1(lock_class integer, queue text, key text) RETURNS void
-LANGUAGE sql VOLATILE AS $$
-    SELECT pg_advisory_xact_lock(1349471040 + lock_class, hashtext(queue || '/' || key))
+LANGUAGE plpgsql VOLATILE AS $$
+BEGIN
+    PERFORM pg_advisory_xact_lock(1349471040 + lock_class, hashtext(queue || '/' || key));
+END
 $$;

@@ -31,23 +31,34 @@ DECLARE
     v_state     text;
     v_old       record;
 BEGIN
-    PERFORM postbox.check_text_v1(v_consumer, 'consumer', 200, true);
-    PERFORM postbox.check_text_v1(inbox_receive_v1.message_id, 'message_id', 512, true);
-    PERFORM postbox.check_text_v1(inbox_receive_v1.key, 'key', 1024, false);
-    PERFORM postbox.check_text_v1(inbox_receive_v1.type, 'type', 200, false);
-    PERFORM postbox.check_text_v1(inbox_receive_v1.correlation_id, 'correlation_id', 512, false);
-    PERFORM postbox.check_text_v1(inbox_receive_v1.causation_id, 'causation_id', 512, false);
-    PERFORM postbox.check_text_v1(inbox_receive_v1.source, 'source', 512, false);
-    IF inbox_receive_v1.payload IS NULL THEN
-        PERFORM postbox.reject_v1('payload', 'is required');
-    END IF;
-    IF v_seq < 0 THEN
-        PERFORM postbox.reject_v1('sequence', 'must not be negative');
-    END IF;
-    IF inbox_receive_v1.schema_version IS NULL OR inbox_receive_v1.schema_version < 1 THEN
-        PERFORM postbox.reject_v1('schema_version', 'must be a positive integer');
-    END IF;
-    IF inbox_receive_v1.headers IS NOT NULL AND jsonb_typeof(inbox_receive_v1.headers) <> 'object' THEN
+    -- One cheap expression checks everything; only bad input pays for finding which field it was.
+    IF v_consumer IS NULL OR octet_length(v_consumer) NOT BETWEEN 1 AND 200
+       OR inbox_receive_v1.message_id IS NULL OR octet_length(inbox_receive_v1.message_id) NOT BETWEEN 1 AND 512
+       OR octet_length(inbox_receive_v1.key) NOT BETWEEN 1 AND 1024
+       OR octet_length(inbox_receive_v1.type) NOT BETWEEN 1 AND 200
+       OR octet_length(inbox_receive_v1.correlation_id) NOT BETWEEN 1 AND 512
+       OR octet_length(inbox_receive_v1.causation_id) NOT BETWEEN 1 AND 512
+       OR octet_length(inbox_receive_v1.source) NOT BETWEEN 1 AND 512
+       OR inbox_receive_v1.payload IS NULL OR v_seq < 0
+       OR inbox_receive_v1.schema_version IS NULL OR inbox_receive_v1.schema_version < 1
+       OR jsonb_typeof(inbox_receive_v1.headers) <> 'object'
+    THEN
+        PERFORM postbox.check_text_v1(v_consumer, 'consumer', 200, true);
+        PERFORM postbox.check_text_v1(inbox_receive_v1.message_id, 'message_id', 512, true);
+        PERFORM postbox.check_text_v1(inbox_receive_v1.key, 'key', 1024, false);
+        PERFORM postbox.check_text_v1(inbox_receive_v1.type, 'type', 200, false);
+        PERFORM postbox.check_text_v1(inbox_receive_v1.correlation_id, 'correlation_id', 512, false);
+        PERFORM postbox.check_text_v1(inbox_receive_v1.causation_id, 'causation_id', 512, false);
+        PERFORM postbox.check_text_v1(inbox_receive_v1.source, 'source', 512, false);
+        IF inbox_receive_v1.payload IS NULL THEN
+            PERFORM postbox.reject_v1('payload', 'is required');
+        END IF;
+        IF v_seq < 0 THEN
+            PERFORM postbox.reject_v1('sequence', 'must not be negative');
+        END IF;
+        IF inbox_receive_v1.schema_version IS NULL OR inbox_receive_v1.schema_version < 1 THEN
+            PERFORM postbox.reject_v1('schema_version', 'must be a positive integer');
+        END IF;
         PERFORM postbox.reject_v1('headers', 'must be a JSON object');
     END IF;
     v_text := inbox_receive_v1.payload::text;

@@ -7,10 +7,12 @@
 CREATE OR REPLACE FUNCTION postbox.inbox_claim_v1(
     p_consumer text, p_worker text, p_limit integer, p_lease interval, p_now timestamptz)
 RETURNS SETOF postbox.inbox
-LANGUAGE sql VOLATILE AS $$
+LANGUAGE plpgsql VOLATILE AS $$
+BEGIN
     -- The claim is bookkeeping: if the server crashes before it reaches disk, the message is simply
     -- claimable again. Any later synchronous commit (the handler's) flushes it too.
-    SELECT set_config('synchronous_commit', 'off', true);
+    PERFORM set_config('synchronous_commit', 'off', true);
+    RETURN QUERY
     WITH due AS (
         SELECT i.id, i.state AS was_state, i.claimed_by AS was_claimed_by, i.attempt AS was_attempt
           FROM postbox.inbox i
@@ -45,7 +47,8 @@ LANGUAGE sql VOLATILE AS $$
                'lease_expired', 'LeaseExpired', c.last_error, 'retry', 'delivered again after the lease ran out'
           FROM claimed c JOIN due ON due.id = c.id
          WHERE due.was_state = 'running')
-    SELECT * FROM claimed
+    SELECT * FROM claimed;
+END
 $$;
 COMMENT ON FUNCTION postbox.inbox_claim_v1(text, text, integer, interval, timestamptz)
     IS 'Worker: claim due heads of a consumer (SKIP LOCKED), counting a delivery on each.';
@@ -119,7 +122,10 @@ CREATE OR REPLACE FUNCTION postbox.inbox_retry_v1(
     p_error text, p_error_type text, p_kind text DEFAULT 'transient', p_traceback text DEFAULT NULL,
     p_worker text DEFAULT NULL, p_duration_ms double precision DEFAULT NULL, p_explanation text DEFAULT NULL)
 RETURNS boolean
-LANGUAGE sql VOLATILE AS $$
+LANGUAGE plpgsql VOLATILE AS $$
+DECLARE
+    v_done boolean;
+BEGIN
     WITH u AS (
         UPDATE postbox.inbox
            SET state = 'ready', available_at = p_retry_at, next_retry_at = p_retry_at,
@@ -134,7 +140,9 @@ LANGUAGE sql VOLATILE AS $$
         SELECT 'inbox', u.id, u.consumer, u.message_id, u.key, p_attempt, p_worker, p_now, p_duration_ms,
                p_kind, p_error_type, p_error, p_traceback, 'retry', p_explanation, p_retry_at
           FROM u)
-    SELECT EXISTS (SELECT 1 FROM u)
+    SELECT EXISTS (SELECT 1 FROM u) INTO v_done;
+    RETURN v_done;
+END
 $$;
 COMMENT ON FUNCTION postbox.inbox_retry_v1(bigint, integer, timestamptz, timestamptz, text, text, text, text, text, double precision, text)
     IS 'Worker: record a failed attempt and schedule the next at p_retry_at; the key stays held.';
@@ -195,14 +203,17 @@ COMMENT ON FUNCTION postbox.inbox_dead_letter_v1(bigint, integer, timestamptz, t
 -- Give claimed messages back without counting the attempt (shutdown, or a batch that could not run).
 CREATE OR REPLACE FUNCTION postbox.inbox_release_v1(p_ids bigint[], p_attempts integer[], p_now timestamptz)
 RETURNS integer
-LANGUAGE sql VOLATILE AS $$
-    WITH u AS (
-        UPDATE postbox.inbox i
-           SET state = 'ready', available_at = p_now, attempt = i.attempt - 1
-          FROM unnest(p_ids, p_attempts) AS r(id, attempt)
-         WHERE i.id = r.id AND i.attempt = r.attempt AND i.state = 'running'
-        RETURNING 1)
-    SELECT count(*)::integer FROM u
+LANGUAGE plpgsql VOLATILE AS $$
+DECLARE
+    v_count integer;
+BEGIN
+    UPDATE postbox.inbox i
+       SET state = 'ready', available_at = p_now, attempt = i.attempt - 1
+      FROM unnest(p_ids, p_attempts) AS r(id, attempt)
+     WHERE i.id = r.id AND i.attempt = r.attempt AND i.state = 'running';
+    GET DIAGNOSTICS v_count = ROW_COUNT;
+    RETURN v_count;
+END
 $$;
 COMMENT ON FUNCTION postbox.inbox_release_v1(bigint[], integer[], timestamptz)
     IS 'Worker: hand claimed messages back untouched (attempt not counted).';
@@ -212,10 +223,12 @@ CREATE OR REPLACE FUNCTION postbox.worker_heartbeat_v1(
     p_id text, p_kind text, p_queue text, p_host text, p_pid integer, p_concurrency integer,
     p_version text, p_now timestamptz)
 RETURNS void
-LANGUAGE sql VOLATILE AS $$
+LANGUAGE plpgsql VOLATILE AS $$
+BEGIN
     INSERT INTO postbox.workers AS w (id, kind, queue, host, pid, concurrency, version, started_at, heartbeat_at)
     VALUES (p_id, p_kind, p_queue, p_host, p_pid, p_concurrency, p_version, p_now, p_now)
-    ON CONFLICT (id) DO UPDATE SET heartbeat_at = excluded.heartbeat_at
+    ON CONFLICT (id) DO UPDATE SET heartbeat_at = excluded.heartbeat_at;
+END
 $$;
 
 -- Release the claims of workers whose heartbeat is older than p_stale_after, and forget them.

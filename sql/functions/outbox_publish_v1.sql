@@ -18,16 +18,24 @@ DECLARE
     v_key   text;
     v_text  text;
 BEGIN
-    PERFORM postbox.check_text_v1(outbox_publish_v1.destination, 'destination', 200, true);
-    PERFORM postbox.check_text_v1(outbox_publish_v1.message_id, 'message_id', 512, false);
-    PERFORM postbox.check_text_v1(outbox_publish_v1.key, 'key', 1024, false);
-    PERFORM postbox.check_text_v1(outbox_publish_v1.type, 'type', 200, false);
-    PERFORM postbox.check_text_v1(outbox_publish_v1.correlation_id, 'correlation_id', 512, false);
-    PERFORM postbox.check_text_v1(outbox_publish_v1.causation_id, 'causation_id', 512, false);
-    IF outbox_publish_v1.payload IS NULL THEN
-        PERFORM postbox.reject_v1('payload', 'is required');
-    END IF;
-    IF outbox_publish_v1.headers IS NOT NULL AND jsonb_typeof(outbox_publish_v1.headers) <> 'object' THEN
+    IF outbox_publish_v1.destination IS NULL OR octet_length(outbox_publish_v1.destination) NOT BETWEEN 1 AND 200
+       OR octet_length(outbox_publish_v1.message_id) NOT BETWEEN 1 AND 512
+       OR octet_length(outbox_publish_v1.key) NOT BETWEEN 1 AND 1024
+       OR octet_length(outbox_publish_v1.type) NOT BETWEEN 1 AND 200
+       OR octet_length(outbox_publish_v1.correlation_id) NOT BETWEEN 1 AND 512
+       OR octet_length(outbox_publish_v1.causation_id) NOT BETWEEN 1 AND 512
+       OR outbox_publish_v1.payload IS NULL
+       OR jsonb_typeof(outbox_publish_v1.headers) <> 'object'
+    THEN
+        PERFORM postbox.check_text_v1(outbox_publish_v1.destination, 'destination', 200, true);
+        PERFORM postbox.check_text_v1(outbox_publish_v1.message_id, 'message_id', 512, false);
+        PERFORM postbox.check_text_v1(outbox_publish_v1.key, 'key', 1024, false);
+        PERFORM postbox.check_text_v1(outbox_publish_v1.type, 'type', 200, false);
+        PERFORM postbox.check_text_v1(outbox_publish_v1.correlation_id, 'correlation_id', 512, false);
+        PERFORM postbox.check_text_v1(outbox_publish_v1.causation_id, 'causation_id', 512, false);
+        IF outbox_publish_v1.payload IS NULL THEN
+            PERFORM postbox.reject_v1('payload', 'is required');
+        END IF;
         PERFORM postbox.reject_v1('headers', 'must be a JSON object');
     END IF;
     v_text := outbox_publish_v1.payload::text;

@@ -1,0 +1,456 @@
+"""`make bench`: Postbox's hot paths against PostgreSQL's own ceiling, measured in one run.
+
+The machine is small and shared, so every figure is reported next to a reference measured in the
+same run (pgbench doing the same minimum work), as a ratio; repetitions are interleaved and the
+median is reported with its min-max. Results go to bench-results/ as JSON and a markdown table.
+
+    python -m tests.bench [--quick] [--database-url URL]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import psycopg
+from psycopg.conninfo import conninfo_to_dict
+
+import service
+from service import migrate
+from tests.conftest import _conninfo_url
+
+REPO = Path(__file__).resolve().parents[2]
+RESULTS = REPO / "bench-results"
+
+BENCH_DDL = """
+CREATE TABLE IF NOT EXISTS bench_effects (
+    id bigserial PRIMARY KEY, message_id text NOT NULL, key text NOT NULL, seq bigint, latency_ms double precision
+);
+CREATE TABLE IF NOT EXISTS bench_rows (id integer PRIMARY KEY, n bigint NOT NULL DEFAULT 0);
+INSERT INTO bench_rows (id) SELECT g FROM generate_series(1, 20000) g ON CONFLICT DO NOTHING;
+CREATE TABLE IF NOT EXISTS bench_single (id bigserial PRIMARY KEY, payload jsonb NOT NULL);
+"""
+
+
+@dataclass
+class Result:
+    name: str
+    unit: str
+    runs: list[float] = field(default_factory=list)
+    note: str = ""
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.runs) if self.runs else float("nan")
+
+    def span(self) -> str:
+        return f"{min(self.runs):,.1f}–{max(self.runs):,.1f}" if self.runs else "-"
+
+
+class Bench:
+    def __init__(self, admin_url: str, quick: bool) -> None:
+        self.admin_url = admin_url
+        self.quick = quick
+        self.params = {k: str(v) for k, v in conninfo_to_dict(admin_url).items() if v is not None}
+        self.results: dict[str, Result] = {}
+        self.extra: dict[str, Any] = {}
+        self.template = f"postbox_bench_tmpl_{uuid.uuid4().hex[:6]}"
+        self._create(self.template)
+        url = self.url(self.template)
+        migrate.upgrade(url)
+        with psycopg.connect(url, autocommit=True) as c:
+            c.execute(BENCH_DDL)
+        self.created: list[str] = [self.template]
+
+    def url(self, db: str) -> str:
+        return _conninfo_url(dict(self.params, dbname=db))
+
+    def _create(self, name: str, template: str | None = None) -> None:
+        with psycopg.connect(self.admin_url, autocommit=True) as c:
+            c.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+            c.execute(f'CREATE DATABASE "{name}"' + (f' TEMPLATE "{template}"' if template else ""))
+
+    def fresh(self) -> str:
+        name = f"postbox_bench_{uuid.uuid4().hex[:8]}"
+        self._create(name, self.template)
+        self.created.append(name)
+        return self.url(name)
+
+    def cleanup(self) -> None:
+        with psycopg.connect(self.admin_url, autocommit=True) as c:
+            for name in reversed(self.created):
+                c.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+    def record(self, name: str, unit: str, value: float, note: str = "") -> None:
+        r = self.results.setdefault(name, Result(name, unit, note=note))
+        r.runs.append(value)
+        print(f"  {name}: {value:,.1f} {unit}", flush=True)
+
+    # --- references: pgbench -----------------------------------------------------------------
+
+    def pgbench(self, script: str, clients: int, threads: int, seconds: int) -> float:
+        exe = shutil.which("pgbench") or next(
+            iter(sorted(Path("/usr/lib/postgresql").glob("*/bin/pgbench"))), None
+        )
+        if exe is None:
+            raise RuntimeError("pgbench not found")
+        url = self.fresh()
+        with tempfile.NamedTemporaryFile("w", suffix=".sql", delete=False) as f:
+            f.write(script)
+        out = subprocess.run(
+            [str(exe), "-n", "-f", f.name, "-c", str(clients), "-j", str(threads), "-T", str(seconds), url],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+        os.unlink(f.name)
+        for line in out.splitlines():
+            if line.startswith("tps = "):
+                return float(line.split()[2])
+        raise RuntimeError(f"no tps in pgbench output: {out}")
+
+    # --- Postbox workloads ---------------------------------------------------------------------
+
+    def receive_single(self, n: int, own_transaction: bool) -> float:
+        """One message per transaction: an implicit one (autocommit, like pgbench's single INSERT),
+        or the caller's explicit BEGIN ... COMMIT (two more round trips)."""
+        url = self.fresh()
+        with psycopg.connect(url, autocommit=not own_transaction) as c:
+            t = time.perf_counter()
+            for i in range(n):
+                service.receive(c, consumer="bench", message_id=str(i), payload={"i": i})
+                if own_transaction:
+                    c.commit()
+            return n / (time.perf_counter() - t)
+
+    def receive_batch(self, n: int, batch: int = 500) -> float:
+        url = self.fresh()
+        with psycopg.connect(url) as c:
+            t = time.perf_counter()
+            for start in range(0, n, batch):
+                service.receive_many(
+                    c,
+                    [
+                        {"consumer": "bench", "message_id": str(i), "key": f"k{i % 500}", "payload": {"i": i}}
+                        for i in range(start, min(start + batch, n))
+                    ],
+                )
+                c.commit()
+            return n / (time.perf_counter() - t)
+
+    def _preload(self, url: str, n: int, keys: int) -> None:
+        with psycopg.connect(url) as c:
+            c.execute("SELECT postbox.consumer_halt_v1('bench', 'benchmark preload')")
+            for start in range(0, n, 1000):
+                service.receive_many(
+                    c,
+                    [
+                        {
+                            "consumer": "bench",
+                            "message_id": str(i),
+                            "key": f"k{i % keys}",
+                            "sequence": i // keys,
+                            "payload": {"i": i},
+                        }
+                        for i in range(start, min(start + 1000, n))
+                    ],
+                )
+                c.commit()
+
+    def drain(self, n: int, keys: int, processes: int, concurrency: int, batch: int) -> tuple[float, float]:
+        """Ordered drain: msgs/s, and peak worker RSS in MB. Verifies order and exactly-once after."""
+        url = self.fresh()
+        self._preload(url, n, keys)
+        procs = [
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "service",
+                    "--database-url",
+                    url,
+                    "worker",
+                    "--consumer",
+                    "bench",
+                    "--app",
+                    "tests.bench.app:registry",
+                    "--concurrency",
+                    str(concurrency),
+                    "--batch-size",
+                    str(batch),
+                    "--poll-interval",
+                    "0.05",
+                ],
+                cwd=REPO,
+                env={**os.environ, "PYTHONPATH": str(REPO)},
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
+            )
+            for _ in range(processes)
+        ]
+        peak = 0.0
+        try:
+            with psycopg.connect(url, autocommit=True) as c:
+                _wait(
+                    lambda: c.execute("SELECT count(*) FROM postbox.workers").fetchone()[0] == processes, 30
+                )
+                t = time.perf_counter()
+                c.execute("SELECT postbox.consumer_resume_v1('bench')")
+                while c.execute("SELECT EXISTS (SELECT 1 FROM postbox.inbox)").fetchone()[0]:
+                    peak = max(peak, *(_rss_mb(p.pid) for p in procs))
+                    time.sleep(0.05)
+                elapsed = time.perf_counter() - t
+                bad = c.execute(
+                    "SELECT count(*) FROM (SELECT seq, lag(seq) OVER (PARTITION BY key ORDER BY id) AS prev"
+                    " FROM bench_effects) e WHERE prev IS NOT NULL AND seq <> prev + 1"
+                ).fetchone()[0]
+                count, distinct = c.execute(
+                    "SELECT count(*), count(DISTINCT message_id) FROM bench_effects"
+                ).fetchone()
+            if bad or count != n or distinct != n:
+                raise AssertionError(f"drain broke an invariant: {bad} out of order, {count} effects for {n}")
+        finally:
+            for p in procs:
+                p.send_signal(signal.SIGTERM)
+            for p in procs:
+                p.wait(30)
+        return n / elapsed, peak
+
+    def claim_cost(self, backlog: str, samples: int) -> float:
+        """Median ms of one claim (1 message) + complete, with the given backlog present."""
+        url = self.fresh()
+        with psycopg.connect(url) as c:
+            if backlog == "10k":
+                c.execute("""INSERT INTO postbox.inbox (consumer, message_id, key, position, payload, state)
+                             SELECT 'bench', 'm' || g, 'k' || g, g, '{}', 'ready' FROM generate_series(1, 10000) g""")
+            else:
+                c.execute("""
+                    INSERT INTO postbox.inbox (consumer, message_id, key, position, payload, state)
+                    SELECT 'bench', 'hot-' || g, 'hot', g, '{}', CASE WHEN g = 1 THEN 'ready' ELSE 'pending' END
+                      FROM generate_series(1, 500000) g;
+                    INSERT INTO postbox.inbox (consumer, message_id, key, position, payload, state)
+                    SELECT 'bench', 'blocked-' || g, 'b' || g, g, '{}', 'blocked' FROM generate_series(1, 1000) g;
+                    INSERT INTO postbox.inbox (consumer, message_id, key, position, payload, state)
+                    SELECT 'bench', 'cold-' || g, 'c' || (g % 9000), g, '{}',
+                           CASE WHEN g <= 9000 THEN 'ready' ELSE 'pending' END
+                      FROM generate_series(1, 499000) g;""")
+            c.execute("ANALYZE postbox.inbox")
+            c.commit()
+            times = []
+            for _ in range(samples):
+                t = time.perf_counter()
+                rows = c.execute(
+                    "SELECT id, attempt FROM postbox.inbox_claim_v1('bench', 'w', 1, '1 minute', now())"
+                ).fetchall()
+                c.commit()
+                c.execute(
+                    "SELECT postbox.inbox_complete_v1(%s, %s, now())",
+                    ([r[0] for r in rows], [r[1] for r in rows]),
+                )
+                c.commit()
+                times.append((time.perf_counter() - t) * 1000)
+            return statistics.median(times)
+
+    def latency(self, rate: float, seconds: float, listen: bool) -> dict[str, float]:
+        """Receive-to-handler-start latency at a steady rate, in ms (p50, p99, max)."""
+        url = self.fresh()
+        args = ["--listen" if listen else "--no-listen", "--poll-interval", "0.05" if listen else "0.01"]
+        p = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "service",
+                "--database-url",
+                url,
+                "worker",
+                "--consumer",
+                "bench",
+                "--app",
+                "tests.bench.app:registry",
+                "--concurrency",
+                "2",
+                "--batch-size",
+                "10",
+                *args,
+            ],
+            cwd=REPO,
+            env={**os.environ, "PYTHONPATH": str(REPO)},
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        try:
+            with psycopg.connect(url) as c:
+                _wait(lambda: c.execute("SELECT count(*) FROM postbox.workers").fetchone()[0] == 1, 30)
+                c.commit()
+                n = int(rate * seconds)
+                start = time.perf_counter()
+                for i in range(n):
+                    due = start + i / rate
+                    delay = due - time.perf_counter()
+                    if delay > 0:
+                        time.sleep(delay)
+                    c.execute("SET LOCAL postbox.notify = on")
+                    service.receive(c, consumer="bench", message_id=str(i), key=f"k{i}", payload={})
+                    c.commit()
+                _wait(lambda: c.execute("SELECT count(*) FROM bench_effects").fetchone()[0] == n, 30)
+                lat = sorted(r[0] for r in c.execute("SELECT latency_ms FROM bench_effects").fetchall())
+        finally:
+            p.send_signal(signal.SIGTERM)
+            p.wait(30)
+        return {"p50": lat[len(lat) // 2], "p99": lat[int(len(lat) * 0.99) - 1], "max": lat[-1]}
+
+
+def _wait(check: Callable[[], bool], timeout: float) -> None:
+    end = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > end:
+            raise TimeoutError("benchmark setup did not converge")
+        time.sleep(0.05)
+
+
+def _rss_mb(pid: int) -> float:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return 0.0
+
+
+PGBENCH_INSERT_UPDATE = """\\set k random(1, 20000)
+BEGIN;
+INSERT INTO bench_effects (message_id, key, seq) VALUES ('x', 'k', :k);
+UPDATE bench_rows SET n = n + 1 WHERE id = :k;
+COMMIT;
+"""
+PGBENCH_SINGLE_INSERT = "INSERT INTO bench_single (payload) VALUES ('{\"i\": 1}');\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="small sizes: a smoke run in about a minute")
+    ap.add_argument(
+        "--database-url",
+        default=os.environ.get("POSTBOX_BENCH_DATABASE_URL") or os.environ.get("POSTBOX_DATABASE_URL"),
+    )
+    ap.add_argument("--repeat", type=int, default=None)
+    args = ap.parse_args()
+    quick = args.quick
+    repeat = args.repeat or (1 if quick else 3)
+    admin = args.database_url
+    if not admin:
+        from service.embedded import embedded_server
+
+        admin = str(embedded_server(REPO / ".pgdata").get_uri())
+    sizes = {
+        "single": 300 if quick else 2000,
+        "batch": 5000 if quick else 50000,
+        "drain": 4000 if quick else 20000,
+        "pg_seconds": 3 if quick else 10,
+        "claim_samples": 100 if quick else 500,
+        "lat_seconds": 3 if quick else 20,
+    }
+    b = Bench(admin, quick)
+    started = time.monotonic()
+    try:
+        for rep in range(repeat):
+            print(f"repetition {rep + 1}/{repeat}", flush=True)
+            b.record(
+                "pgbench single INSERT, -c 1",
+                "tx/s",
+                b.pgbench(PGBENCH_SINGLE_INSERT, 1, 1, sizes["pg_seconds"]),
+            )
+            b.record("receive, 1 message per transaction", "msg/s", b.receive_single(sizes["single"], False))
+            b.record("receive in the caller's BEGIN/COMMIT", "msg/s", b.receive_single(sizes["single"], True))
+            b.record("receive_many, 500 per transaction", "msg/s", b.receive_batch(sizes["batch"]))
+            b.record(
+                "pgbench INSERT+UPDATE, -c 4 -j 2",
+                "tx/s",
+                b.pgbench(PGBENCH_INSERT_UPDATE, 4, 2, sizes["pg_seconds"]),
+            )
+            rate, rss = b.drain(sizes["drain"], 500, processes=2, concurrency=2, batch=50)
+            b.record("ordered drain, 500 keys, 2 proc x 2 slots", "msg/s", rate)
+            b.record("worker peak RSS during drain", "MB", rss)
+            b.record("claim+complete, 10k ready", "ms", b.claim_cost("10k", sizes["claim_samples"]))
+            if not quick or rep == 0:
+                b.record(
+                    "claim+complete, 1M backlog (hot key 500k, 1k blocked)",
+                    "ms",
+                    b.claim_cost("1M", sizes["claim_samples"]),
+                )
+            for listen in (True, False):
+                lat = b.latency(200, sizes["lat_seconds"], listen)
+                label = "LISTEN/NOTIFY" if listen else "polling 10 ms"
+                for q in ("p50", "p99", "max"):
+                    b.record(f"receive→handler at 200 msg/s, {label}, {q}", "ms", lat[q])
+    finally:
+        b.cleanup()
+    report(b, quick, time.monotonic() - started)
+
+
+def report(b: Bench, quick: bool, elapsed: float) -> None:
+    r = b.results
+
+    def ratio(a: str, ref: str) -> float:
+        return r[a].median / r[ref].median
+
+    ratios = {
+        "single receive / pgbench single insert (-c 1)  [target ≥ 0.80]": ratio(
+            "receive, 1 message per transaction", "pgbench single INSERT, -c 1"
+        ),
+        "ordered drain / pgbench insert+update (-c 4)  [target ≥ 0.75]": ratio(
+            "ordered drain, 500 keys, 2 proc x 2 slots", "pgbench INSERT+UPDATE, -c 4 -j 2"
+        ),
+        "claim cost, 1M backlog / 10k  [target ≤ 1.5]": ratio(
+            "claim+complete, 1M backlog (hot key 500k, 1k blocked)", "claim+complete, 10k ready"
+        ),
+    }
+    lines = [
+        f"# Postbox benchmark ({'quick' if quick else 'full'}), {datetime.now(UTC):%Y-%m-%d %H:%M} UTC",
+        "",
+        f"{os.cpu_count()} cores; {len(next(iter(r.values())).runs)} interleaved repetition(s); "
+        f"medians with min–max; run took {elapsed:.0f} s.",
+        "",
+        "| workload | median | min–max | unit |",
+        "|---|---:|---:|---|",
+    ]
+    lines += [f"| {x.name} | {x.median:,.1f} | {x.span()} | {x.unit} |" for x in r.values()]
+    lines += ["", "| ratio (same run) | value |", "|---|---:|"]
+    lines += [f"| {k} | {v:.2f} |" for k, v in ratios.items()]
+    table = "\n".join(lines)
+    print("\n" + table)
+    RESULTS.mkdir(exist_ok=True)
+    stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%S")
+    (RESULTS / f"bench-{stamp}.md").write_text(table + "\n")
+    (RESULTS / f"bench-{stamp}.json").write_text(
+        json.dumps(
+            {
+                "quick": quick,
+                "results": {k: {"unit": v.unit, "runs": v.runs, "median": v.median} for k, v in r.items()},
+                "ratios": ratios,
+            },
+            indent=2,
+        )
+    )
+    print(f"\nwritten to {RESULTS}/bench-{stamp}.md and .json")
+
+
+if __name__ == "__main__":
+    random.seed(1)
+    main()
