@@ -59,7 +59,7 @@ class Result:
         return statistics.median(self.runs) if self.runs else float("nan")
 
     def span(self) -> str:
-        return f"{min(self.runs):,.1f}–{max(self.runs):,.1f}" if self.runs else "-"
+        return f"{min(self.runs):,.1f}..{max(self.runs):,.1f}" if self.runs else "-"
 
 
 class Bench:
@@ -425,9 +425,9 @@ def report(b: Bench, quick: bool, elapsed: float) -> None:
         f"# Postbox benchmark ({'quick' if quick else 'full'}), {datetime.now(UTC):%Y-%m-%d %H:%M} UTC",
         "",
         f"{os.cpu_count()} cores; {len(next(iter(r.values())).runs)} interleaved repetition(s); "
-        f"medians with min–max; run took {elapsed:.0f} s.",
+        f"medians with min..max; run took {elapsed:.0f} s.",
         "",
-        "| workload | median | min–max | unit |",
+        "| workload | median | min..max | unit |",
         "|---|---:|---:|---|",
     ]
     lines += [f"| {x.name} | {x.median:,.1f} | {x.span()} | {x.unit} |" for x in r.values()]
