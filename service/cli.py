@@ -131,8 +131,13 @@ def worker(
     a second one aborts at once, giving unfinished messages back.
     """
     registry = _load_registry(app)
-    config_path = ctx.ensure_object(dict).get("config") or _settings(ctx).config
-    policies = load_policies(config_path)
+    settings_ = _settings(ctx)
+    policies = load_policies(ctx.ensure_object(dict).get("config") or settings_.config).model_copy(
+        update={
+            "dedup_retention_seconds": settings_.dedup_retention_seconds,
+            "replay_window_seconds": settings_.replay_window_seconds,
+        }
+    )
     consumer_policy = policies.consumers.get(consumer)
     registry = apply_policies(registry, policies)
     check_retention(policies, registry, RetryPolicy())

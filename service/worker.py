@@ -35,6 +35,7 @@ from service.classify import Classification, Classifier, fingerprint
 from service.clock import Clock, SystemClock
 from service.db import query
 from service.handlers import Context, Message, Registry
+from service.outcomes import Permanent
 from service.policy import DeadLetter, FailureKind, RetryAt, RetryPolicy, decide
 
 __all__ = ["Worker", "WorkerSettings"]
@@ -81,6 +82,17 @@ class WorkerSettings:
 
 class _Stop(Exception):
     """Raised inside a slot when the worker aborts after its grace period."""
+
+
+class _HandlerEndedTransaction(Permanent):
+    """A handler committed or rolled back the worker's transaction: a bug in the handler."""
+
+    def __init__(self, message: Message) -> None:
+        self.message = message
+        super().__init__(
+            f"the handler of {message.message_id} committed or rolled back ctx.conn; handlers must leave the "
+            "transaction to the worker (its effects may now repeat)"
+        )
 
 
 class Worker:
@@ -363,6 +375,11 @@ class _Slot:
                 except psycopg.OperationalError as error:
                     log.warning("slot %s lost its connection: %s", self.index, error)
                     self._reconnect()
+                except _Stop:
+                    raise
+                except Exception:  # a slot must never die: log, reset the connection, go on
+                    log.exception("slot %s failed; resetting its connection", self.index)
+                    self._reconnect()
         except _Stop:
             pass
         finally:
@@ -425,6 +442,8 @@ class _Slot:
                 error = self._run_handler(message)
                 duration_ms = (time.monotonic() - started) * 1000.0
                 in_flight = None
+                if conn.info.transaction_status is psycopg.pq.TransactionStatus.IDLE:
+                    raise _HandlerEndedTransaction(message)
                 if error is None:
                     done.append(message)
                     self._breaker_record(False)
@@ -439,6 +458,22 @@ class _Slot:
         except psycopg.OperationalError:
             self._recover(batch, in_flight, done, failures)
             raise
+        except _HandlerEndedTransaction as error:
+            # Dead-letter the culprit (retrying would repeat the damage) and give the rest back.
+            log.error("slot %s: %s", self.index, error)
+            self._rollback()
+            self._write_failure(self._failure(error.message, error), self.worker.clock.now())
+            self._release([m for m in batch if m is not error.message])
+            conn.commit()
+            self.worker._emit("batch_failed", ids=[m.id for m in batch], error=str(error))
+        except psycopg.Error as error:
+            # The batch's transaction failed as a whole (a deadlock with a producer committing on
+            # the same keys, a serialization failure): nothing of it committed. Give every message
+            # back untouched; they are claimed again at once.
+            log.warning("slot %s: batch rolled back (%s); releasing it", self.index, error)
+            self._rollback()
+            self._release(batch)
+            self.worker._emit("batch_failed", ids=[m.id for m in batch], error=str(error))
 
     def _breaker_record(self, transient_failure: bool) -> None:
         before = self.worker.breaker.state
@@ -459,12 +494,8 @@ class _Slot:
         assert self.conn is not None
         spec = self.worker.registry.lookup(message.consumer, message.type)
         if spec is None:
-            from service.outcomes import Permanent
-
             return Permanent(f"no handler for consumer {message.consumer!r} and type {message.type!r}")
         if spec.schema_versions is not None and message.schema_version not in spec.schema_versions:
-            from service.outcomes import Permanent
-
             return Permanent(
                 f"unsupported schema_version {message.schema_version} (handler accepts "
                 f"{', '.join(map(str, sorted(spec.schema_versions)))})"

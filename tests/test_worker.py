@@ -314,3 +314,28 @@ def test_abort_after_grace_releases_the_running_message(effects_db):
     row = scalar(url, "SELECT row(state, attempt)::text FROM postbox.inbox WHERE message_id = 'long'")
     assert row in ("(ready,0)", "(ready,1)")
     assert scalar(url, "SELECT count(*) FROM postbox.inbox WHERE state = 'running'") == 0
+
+
+def test_a_handler_that_commits_the_workers_transaction_is_dead_lettered(effects_db):
+    """Handlers must leave the transaction to the worker: one that commits is detected, its message
+    dead-lettered (retrying would repeat the damage) and the rest of the batch given back."""
+    url = effects_db.url
+    reg = Registry()
+
+    @reg.handler("c")
+    def handle(m, ctx):
+        record_effect(ctx.conn, m.message_id, m.key, m.sequence, m.attempt)
+        if m.message_id == "rogue":
+            ctx.conn.commit()
+
+    produce(url, [{"consumer": "c", "message_id": mid, "payload": {}} for mid in ("a", "rogue", "b")])
+    w = start(url, reg, batch_size=10)
+    try:
+        eventually(lambda: scalar(url, "SELECT count(*) = 0 FROM postbox.inbox WHERE state <> 'blocked'"))
+    finally:
+        w.stop()
+        w.join()
+    assert "must leave the transaction to the worker" in scalar(
+        url, "SELECT last_error FROM postbox.dead_letters WHERE message_id = 'rogue'"
+    )
+    assert scalar(url, "SELECT count(*) FROM effects WHERE message_id = 'b'") == 1
