@@ -13,13 +13,14 @@ import sqlalchemy.exc
 
 from service import migrate as migrations
 from service.breaker import BreakerSettings
-from service.config import apply_policies, check_retention, load_policies
+from service.config import apply_policies, check_retention, configured_handlers, load_policies, sql_functions
 from service.embedded import resolve_database_url
 from service.errors import ConfigError
 from service.handlers import Registry
 from service.policy import RetryPolicy
 from service.producer import declare_consumer
 from service.settings import Settings, load_settings, mask_url
+from service.sql_handlers import check_function_exists
 from service.worker import Worker, WorkerSettings
 
 __all__ = ["main"]
@@ -95,7 +96,12 @@ def _load_registry(app: str) -> Registry:
 
 @cli.command()
 @click.option("--consumer", required=True, help="The consumer whose inbox this worker processes.")
-@click.option("--app", "app", required=True, help="module:attribute of the handler Registry.")
+@click.option(
+    "--app",
+    "app",
+    default=None,
+    help="module:attribute of the handler Registry (optional with handlers in --config).",
+)
 @click.option("--concurrency", default=2, show_default=True, type=click.IntRange(1, 256))
 @click.option("--batch-size", default=20, show_default=True, type=click.IntRange(1, 10_000))
 @click.option("--poll-interval", default=1.0, show_default=True, type=click.FloatRange(min=0.001))
@@ -114,7 +120,7 @@ def _load_registry(app: str) -> Registry:
 def worker(
     ctx: click.Context,
     consumer: str,
-    app: str,
+    app: str | None,
     concurrency: int,
     batch_size: int,
     poll_interval: float,
@@ -130,7 +136,6 @@ def worker(
     The first signal stops claiming and lets in-flight messages finish (up to --grace-period);
     a second one aborts at once, giving unfinished messages back.
     """
-    registry = _load_registry(app)
     settings_ = _settings(ctx)
     policies = load_policies(ctx.ensure_object(dict).get("config") or settings_.config).model_copy(
         update={
@@ -139,6 +144,11 @@ def worker(
         }
     )
     consumer_policy = policies.consumers.get(consumer)
+    registry = configured_handlers(_load_registry(app) if app else Registry(), policies, consumer)
+    if consumer not in registry.consumers():
+        raise click.UsageError(
+            f"no handler for consumer {consumer!r}: give --app, or declare handlers in --config"
+        )
     registry = apply_policies(registry, policies)
     check_retention(policies, registry, RetryPolicy())
     url = _url(ctx)
@@ -154,6 +164,10 @@ def worker(
                 gap_timeout_seconds=consumer_policy.gap_timeout_seconds,
             )
             conn.commit()
+    if sql_functions(policies, consumer):
+        with psycopg.connect(url) as conn:
+            for function in sql_functions(policies, consumer):
+                check_function_exists(conn, function)
     try:
         settings = WorkerSettings(
             consumer=consumer,

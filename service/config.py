@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 import tomllib
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -50,6 +50,36 @@ class TypePolicy(BaseModel):
     timeout: float | None = Field(default=None, gt=0)
 
 
+class SqlHandlerConfig(BaseModel):
+    """A PostgreSQL function ``schema.function(message jsonb, context jsonb)`` as the handler."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    kind: Literal["sql"]
+    function: str = Field(min_length=1)
+    idempotent: bool = False
+    timeout: float | None = Field(default=None, gt=0)
+
+
+class HttpHandlerConfig(BaseModel):
+    """An HTTP endpoint as the handler: the message is POSTed as JSON."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    kind: Literal["http"]
+    url: str = Field(pattern=r"^https?://")
+    timeout: float = Field(default=10.0, gt=0, description="seconds per request")
+    idempotent: bool = False
+    hmac_secret_env: str | None = Field(
+        default=None, description="environment variable holding the HMAC secret"
+    )
+    headers: dict[str, str] = Field(default_factory=dict)
+    max_concurrency: int = Field(default=8, ge=1, le=1024)
+
+
+HandlerConfig = Annotated[SqlHandlerConfig | HttpHandlerConfig, Field(discriminator="kind")]
+
+
 class ConsumerPolicy(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -61,6 +91,9 @@ class ConsumerPolicy(BaseModel):
     retry: dict[str, Any] = Field(default_factory=dict)
     breaker: BreakerSettings = Field(default_factory=BreakerSettings)
     types: dict[str, TypePolicy] = Field(default_factory=dict)
+    handlers: dict[str, HandlerConfig] = Field(
+        default_factory=dict, description='handlers declared in the file, by message type ("*": every type)'
+    )
 
     def retry_policy(self, type_: str | None = None) -> RetryPolicy:
         merged = dict(self.retry)
@@ -152,3 +185,53 @@ def check_retention(config: PoliciesConfig, registry: Registry, default: RetryPo
             f"horizon ({horizon:g} s) plus replay_window_seconds ({config.replay_window_seconds:g}): "
             f"a late redelivery could be processed twice. Raise it to at least {needed:g}."
         )
+
+
+def configured_handlers(registry: Registry, config: PoliciesConfig, consumer: str) -> Registry:
+    """``registry`` plus the SQL-function and HTTP handlers the file declares for ``consumer``."""
+    import os
+
+    from service.http_handlers import HttpEndpoint
+    from service.sql_handlers import sql_function_handler
+
+    policy = config.consumers.get(consumer)
+    if policy is None or not policy.handlers:
+        return registry
+    out = Registry(
+        dict(registry.handlers), dict(registry.retry_policies), list(registry.rules), list(registry.listeners)
+    )
+    for type_, h in policy.handlers.items():
+        where = f"consumers.{consumer}.handlers.{type_}"
+        message_type = None if type_ == "*" else type_
+        if (consumer, message_type) in out.handlers:
+            raise ConfigError(f"{where}: a Python handler is registered for it already")
+        if isinstance(h, SqlHandlerConfig):
+            out.add(
+                sql_function_handler(h.function),
+                consumer,
+                message_type,
+                idempotent=h.idempotent,
+                timeout=h.timeout,
+            )
+        else:
+            secret = None
+            if h.hmac_secret_env is not None:
+                value = os.environ.get(h.hmac_secret_env)
+                if not value:
+                    raise ConfigError(
+                        f"{where}.hmac_secret_env: environment variable {h.hmac_secret_env} is not set"
+                    )
+                secret = value.encode()
+            endpoint = HttpEndpoint(
+                h.url, timeout=h.timeout, secret=secret, headers=h.headers, max_concurrency=h.max_concurrency
+            )
+            out.add(endpoint, consumer, message_type, idempotent=h.idempotent, timeout=h.timeout + 5.0)
+    return out
+
+
+def sql_functions(config: PoliciesConfig, consumer: str) -> list[str]:
+    """The SQL-function handlers declared for ``consumer`` (checked to exist at start-up)."""
+    policy = config.consumers.get(consumer)
+    if policy is None:
+        return []
+    return [h.function for h in policy.handlers.values() if isinstance(h, SqlHandlerConfig)]

@@ -65,7 +65,7 @@ def test_unknown_app_and_consumer_are_clear_errors(database):
     r = postbox(
         "--database-url", database.url, "worker", "--consumer", "other", "--app", "tests.apps.basic:registry"
     )
-    assert r.returncode == 1 and "no handler for consumer 'other'" in r.stderr
+    assert r.returncode == 2 and "no handler for consumer 'other'" in r.stderr
 
 
 def test_password_never_appears_in_error_output(tmp_path):
