@@ -16,21 +16,30 @@ VERSION_TABLE = "alembic_version"
 VERSION_SCHEMA = "postbox"
 
 
-def run_offline() -> None:
-    context.configure(
-        url=config.get_main_option("sqlalchemy.url") or "postgresql+psycopg://",
-        target_metadata=metadata,
-        literal_binds=True,
-        dialect_opts={"paramstyle": "named"},
-        version_table=VERSION_TABLE,
-        version_table_schema=VERSION_SCHEMA,
-        transactional_ddl=True,
-    )
+COMMON = {
+    "target_metadata": metadata,
+    "version_table": VERSION_TABLE,
+    "version_table_schema": VERSION_SCHEMA,
+    "transactional_ddl": True,
+}
+
+
+def _migrate() -> None:
     with context.begin_transaction():
         # The version table lives in schema postbox, so the schema must exist before Alembic's
         # first write.
         context.execute("CREATE SCHEMA IF NOT EXISTS postbox")
         context.run_migrations()
+
+
+def run_offline() -> None:
+    context.configure(
+        url=config.get_main_option("sqlalchemy.url") or "postgresql+psycopg://",
+        literal_binds=True,
+        dialect_opts={"paramstyle": "named"},
+        **COMMON,
+    )
+    _migrate()
 
 
 def run_online() -> None:
@@ -38,25 +47,12 @@ def run_online() -> None:
     if connection is None:
         engine = create_engine(config.get_main_option("sqlalchemy.url") or "")
         with engine.begin() as conn:
-            _run(conn)
+            context.configure(connection=conn, **COMMON)
+            _migrate()
         engine.dispose()
     else:
-        _run(connection)
-
-
-def _run(connection: object) -> None:
-    context.configure(
-        connection=connection,
-        target_metadata=metadata,
-        version_table=VERSION_TABLE,
-        version_table_schema=VERSION_SCHEMA,
-        transactional_ddl=True,
-    )
-    with context.begin_transaction():
-        # The version table lives in schema postbox, so the schema must exist before Alembic's
-        # first write.
-        context.execute("CREATE SCHEMA IF NOT EXISTS postbox")
-        context.run_migrations()
+        context.configure(connection=connection, **COMMON)
+        _migrate()
 
 
 if context.is_offline_mode():

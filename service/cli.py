@@ -203,6 +203,70 @@ def worker(
 
 
 @cli.command()
+@click.option(
+    "--destination",
+    "destinations",
+    multiple=True,
+    help="Destination to relay (repeatable; default: all configured).",
+)
+@click.option(
+    "--concurrency", default=1, show_default=True, type=click.IntRange(1, 64), help="Loops per destination."
+)
+@click.option("--batch-size", default=100, show_default=True, type=click.IntRange(1, 10_000))
+@click.option("--poll-interval", default=1.0, show_default=True, type=click.FloatRange(min=0.001))
+@click.option("--listen/--no-listen", default=True, show_default=True, help="Wake on LISTEN/NOTIFY.")
+@click.option("--lease", default=60.0, show_default=True, type=click.FloatRange(min=0.01))
+@click.option("--heartbeat-interval", default=5.0, show_default=True, type=click.FloatRange(min=0.01))
+@click.option("--stale-after", default=30.0, show_default=True, type=click.FloatRange(min=0.02))
+@click.option("--grace-period", default=30.0, show_default=True, type=click.FloatRange(min=0))
+@click.pass_context
+def relay(
+    ctx: click.Context,
+    destinations: tuple[str, ...],
+    concurrency: int,
+    batch_size: int,
+    poll_interval: float,
+    listen: bool,
+    lease: float,
+    heartbeat_interval: float,
+    stale_after: float,
+    grace_period: float,
+) -> None:
+    """Publish committed outbox rows to their destinations, per key in order, until SIGTERM/SIGINT."""
+    from service.config import build_transports
+    from service.relay import Relay, RelaySettings
+
+    settings_ = _settings(ctx)
+    policies = load_policies(ctx.ensure_object(dict).get("config") or settings_.config)
+    url = _url(ctx)
+    transports = build_transports(policies, list(destinations), url)
+    retry = {name: policies.destinations[name].retry_policy() for name in transports}
+    on_dead = {name: policies.destinations[name].on_dead_letter for name in transports}
+    try:
+        settings = RelaySettings(
+            concurrency=concurrency,
+            batch_size=batch_size,
+            poll_interval=poll_interval,
+            listen=listen,
+            lease=lease,
+            heartbeat_interval=heartbeat_interval,
+            stale_after=stale_after,
+            grace_period=grace_period,
+        )
+        r = Relay(url, transports, settings, policies=retry, dead_letter_policies=on_dead)
+    except ValueError as error:
+        raise click.ClickException(str(error)) from None
+
+    def on_signal(signum: int, frame: object) -> None:
+        click.echo(f"postbox: relay stopping (signal {signum}); the batch in flight finishes", err=True)
+        r.stop()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    r.run()
+
+
+@cli.command()
 @click.pass_context
 def demo(ctx: click.Context) -> None:
     """Run the order scenario end to end (embedded PostgreSQL unless a database URL is given)."""

@@ -32,8 +32,10 @@ from service.policy import RetryPolicy
 __all__ = [
     "ConsumerPolicy",
     "PoliciesConfig",
+    "PostgresDestination",
     "TypePolicy",
     "apply_policies",
+    "build_transports",
     "check_retention",
     "load_policies",
 ]
@@ -102,12 +104,32 @@ class ConsumerPolicy(BaseModel):
         return RetryPolicy(**merged)
 
 
+class PostgresDestination(BaseModel):
+    """Deliver into the inbox of ``consumer`` in the database at ``url`` (default: the relay's own)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    kind: Literal["postgres"]
+    consumer: str = Field(min_length=1)
+    url: str | None = None
+    source: str | None = None
+    retry: dict[str, Any] = Field(default_factory=dict)
+    on_dead_letter: Literal["block", "skip"] = "block"
+
+    def retry_policy(self) -> RetryPolicy:
+        return RetryPolicy(**self.retry)
+
+
+DestinationConfig = Annotated[PostgresDestination, Field(discriminator="kind")]
+
+
 class PoliciesConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     dedup_retention_seconds: float = Field(default=7 * DAY, gt=0)
     replay_window_seconds: float = Field(default=1 * DAY, ge=0)
     consumers: dict[str, ConsumerPolicy] = Field(default_factory=dict)
+    destinations: dict[str, DestinationConfig] = Field(default_factory=dict)
 
 
 def _errors(error: ValidationError, prefix: str = "") -> str:
@@ -134,7 +156,9 @@ def load_policies(data: dict[str, Any] | Path | None) -> PoliciesConfig:
         if k in ("dedup_retention_seconds", "replay_window_seconds")
     }
     try:
-        config = PoliciesConfig(consumers=data.get("consumers", {}), **section)
+        config = PoliciesConfig(
+            consumers=data.get("consumers", {}), destinations=data.get("destinations", {}), **section
+        )
     except ValidationError as error:
         raise ConfigError(f"invalid configuration: {_errors(error)}") from None
     for name, consumer in config.consumers.items():
@@ -144,7 +168,32 @@ def load_policies(data: dict[str, Any] | Path | None) -> PoliciesConfig:
             except ValidationError as error:
                 where = f"consumers.{name}." + (f"types.{type_}." if type_ else "") + "retry."
                 raise ConfigError(f"invalid configuration: {_errors(error, where)}") from None
+    for name, dest in config.destinations.items():
+        try:
+            dest.retry_policy()
+        except ValidationError as error:
+            raise ConfigError(
+                f"invalid configuration: {_errors(error, f'destinations.{name}.retry.')}"
+            ) from None
     return config
+
+
+def build_transports(config: PoliciesConfig, names: list[str], own_url: str) -> dict[str, Any]:
+    """The transports of the named destinations (all configured ones if ``names`` is empty)."""
+    from service.transports.postgres import PostgresTransport
+
+    wanted = names or sorted(config.destinations)
+    if not wanted:
+        raise ConfigError("no destination: declare [destinations.NAME] in the config file")
+    transports: dict[str, Any] = {}
+    for name in wanted:
+        dest = config.destinations.get(name)
+        if dest is None:
+            raise ConfigError(
+                f"destination {name!r} is not declared in the config file ([destinations.{name}])"
+            )
+        transports[name] = PostgresTransport(dest.url or own_url, dest.consumer, dest.source)
+    return transports
 
 
 def apply_policies(registry: Registry, config: PoliciesConfig) -> Registry:

@@ -32,6 +32,7 @@ __all__ = [
     "inbox",
     "inbox_dedup",
     "inbox_keys",
+    "key_repairs",
     "metadata",
     "outbox",
     "workers",
@@ -227,6 +228,17 @@ dead_letters = Table(
         postgresql_where=text("status = 'open'"),
     ),
     Index("dead_letters_message_idx", "message_id"),
+)
+
+key_repairs = Table(
+    "key_repairs",
+    metadata,
+    Column("id", BigInteger, primary_key=True, autoincrement=True),
+    Column("origin", Text, nullable=False),
+    Column("queue", _C, nullable=False),
+    Column("key", _C, nullable=False),
+    Column("created_at", _TS, nullable=False, server_default=_NOW),
+    Index("key_repairs_queue_idx", "origin", "queue", "key"),
 )
 
 attempts = Table(

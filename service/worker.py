@@ -12,12 +12,9 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
-import os
 import random
-import socket
 import threading
 import time
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -37,6 +34,7 @@ from service.db import query
 from service.handlers import Context, Message, Registry
 from service.outcomes import Permanent
 from service.policy import DeadLetter, FailureKind, RetryAt, RetryPolicy, decide
+from service.runtime import Presence, Wakeup, process_id
 
 __all__ = ["Worker", "WorkerSettings"]
 
@@ -114,13 +112,26 @@ class Worker:
         self.clock = clock or SystemClock()
         self.rng = rng or random.Random()
         self.on_event = on_event
-        self.id = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+        self.id = process_id()
         self.classifier: Classifier = registry.classifier()
         self.breaker = CircuitBreaker(settings.breaker)
         self._stopping = threading.Event()
         self._aborting = threading.Event()
-        self._wake = threading.Condition()
-        self._generation = 0
+        self.wakeup = Wakeup(
+            url, "postbox_inbox", {settings.consumer}, settings.poll_interval, self._stopping
+        )
+        self.presence = Presence(
+            url,
+            id=self.id,
+            kind="worker",
+            queue=settings.consumer,
+            concurrency=settings.concurrency,
+            interval=settings.heartbeat_interval,
+            stale_after=settings.stale_after,
+            clock=self.clock,
+            stopping=self._stopping,
+            on_reaped=self._reaped,
+        )
         self._threads: list[threading.Thread] = []
         self._slots: list[_Slot] = []
         if not any(c == settings.consumer for c in registry.consumers()):
@@ -129,16 +140,19 @@ class Worker:
     # --- lifecycle -------------------------------------------------------------------------
 
     def start(self) -> None:
-        with psycopg.connect(self.url, autocommit=True) as conn:
-            self._heartbeat(conn)
+        self.presence.beat()
         self._slots = [_Slot(self, i) for i in range(self.settings.concurrency)]
         self._threads = [
             threading.Thread(target=s.run, name=f"postbox-slot-{s.index}", daemon=True) for s in self._slots
         ]
-        self._threads.append(threading.Thread(target=self._beat_loop, name="postbox-heartbeat", daemon=True))
+        self._threads.append(
+            threading.Thread(target=self.presence.beat_forever, name="postbox-heartbeat", daemon=True)
+        )
         self._threads.append(threading.Thread(target=self._watchdog, name="postbox-watchdog", daemon=True))
         if self.settings.listen:
-            self._threads.append(threading.Thread(target=self._listen, name="postbox-listen", daemon=True))
+            self._threads.append(
+                threading.Thread(target=self.wakeup.listen_forever, name="postbox-listen", daemon=True)
+            )
         for t in self._threads:
             t.start()
         self._emit("started", worker=self.id)
@@ -155,7 +169,7 @@ class Worker:
     def stop(self) -> None:
         """Stop claiming; in-flight batches finish (``join`` enforces the grace period)."""
         self._stopping.set()
-        self._notify()
+        self.wakeup.notify()
 
     def abort(self) -> None:
         """Stop at once: running handlers' queries are cancelled and their messages released."""
@@ -178,71 +192,16 @@ class Worker:
         for t in self._threads:
             if not t.name.startswith("postbox-slot"):
                 t.join(5)
-        try:
-            with psycopg.connect(self.url, autocommit=True) as conn:
-                conn.execute(query("worker_unregister").psycopg, {"id": self.id})
-        except psycopg.Error:
-            log.warning("could not unregister worker %s", self.id)
+        self.presence.unregister()
         self._emit("stopped", worker=self.id)
 
     @property
     def stopping(self) -> bool:
         return self._stopping.is_set()
 
-    # --- wake-ups --------------------------------------------------------------------------
-
-    def _notify(self) -> None:
-        with self._wake:
-            self._generation += 1
-            self._wake.notify_all()
-
-    def _wait_for_work(self, seen_generation: int) -> None:
-        with self._wake:
-            if self._generation == seen_generation and not self._stopping.is_set():
-                self._wake.wait(self.settings.poll_interval)
-
-    def _listen(self) -> None:
-        backoff = 0.1
-        while not self._stopping.is_set():
-            try:
-                with psycopg.connect(self.url, autocommit=True) as conn:
-                    conn.execute("LISTEN postbox_inbox")
-                    backoff = 0.1
-                    self._notify()  # anything sent while we were not listening
-                    while not self._stopping.is_set():
-                        for n in conn.notifies(timeout=0.5):
-                            if n.payload == self.settings.consumer:
-                                self._notify()
-            except psycopg.Error as error:
-                log.warning("listen connection lost: %s", error)
-                self._stopping.wait(backoff + self.rng.uniform(0, backoff))
-                backoff = min(backoff * 2, 5.0)
-
-    # --- heartbeat and recovery ------------------------------------------------------------
-
-    def _heartbeat(self, conn: psycopg.Connection[Any]) -> None:
-        now = self.clock.now()
-        conn.execute(
-            query("worker_heartbeat").psycopg,
-            {"id": self.id, "kind": "worker", "queue": self.settings.consumer, "host": socket.gethostname(),
-             "pid": os.getpid(), "concurrency": self.settings.concurrency, "version": _version(), "now": now},
-        )  # fmt: skip
-        released = conn.execute(
-            query("reap_stale_workers").psycopg,
-            {"stale_after": self.settings.stale_after, "now": now},
-        ).fetchone()
-        if released and released[0]:
-            log.warning("released %s messages of stale workers", released[0])
-            self._emit("reaped", released=released[0])
-            self._notify()
-
-    def _beat_loop(self) -> None:
-        while not self._stopping.wait(self.settings.heartbeat_interval):
-            try:
-                with psycopg.connect(self.url, autocommit=True, connect_timeout=5) as conn:
-                    self._heartbeat(conn)
-            except psycopg.Error as error:
-                log.warning("heartbeat failed: %s", error)
+    def _reaped(self, released: int) -> None:
+        self._emit("reaped", released=released)
+        self.wakeup.notify()
 
     def _watchdog(self) -> None:
         while not self._stopping.wait(0.05) or any(s.busy for s in self._slots):
@@ -259,12 +218,6 @@ class Worker:
             self.on_event(event, data)
         for listener in self.registry.listeners:
             listener(event, data)
-
-
-def _version() -> str:
-    from service import __version__
-
-    return __version__
 
 
 @dataclass
@@ -358,7 +311,7 @@ class _Slot:
         try:
             self.conn = self._connect()
             while not self.worker.stopping:
-                generation = self.worker._generation
+                generation = self.worker.wakeup.generation
                 try:
                     limit = self.worker.breaker.claim_limit(self.settings.batch_size)
                     if limit == 0:  # circuit open: wait for the next probe
@@ -369,7 +322,7 @@ class _Slot:
                         if limit == 1 and self.worker.breaker.state is BreakerState.HALF_OPEN:
                             self.worker.breaker.release_probe()
                         self.worker._emit("idle", slot=self.index)
-                        self.worker._wait_for_work(generation)
+                        self.worker.wakeup.wait(generation)
                         continue
                     self._process(batch)
                 except psycopg.OperationalError as error:

@@ -97,27 +97,26 @@ class Database:
         return psycopg.connect(self.url, **kwargs)  # type: ignore[arg-type]
 
 
-@pytest.fixture
-def database(pg_server: Server, template_db: str) -> Iterator[Database]:
-    name = f"postbox_t_{uuid.uuid4().hex[:12]}"
-    janitor = pg_server.janitor(name, template=template_db)
+def _cloned(server: Server, prefix: str, template: str | None) -> Iterator[Database]:
+    name = f"{prefix}_{uuid.uuid4().hex[:12]}"
+    janitor = server.janitor(name, template=template)
     janitor.init()
     try:
-        yield Database(name, _conninfo_url(dict(pg_server.params, dbname=name)), pg_server)
+        yield Database(name, _conninfo_url(dict(server.params, dbname=name)), server)
     finally:
         janitor.drop()
+
+
+@pytest.fixture
+def database(pg_server: Server, template_db: str) -> Iterator[Database]:
+    """A fresh clone of the migrated template database."""
+    yield from _cloned(pg_server, "postbox_t", template_db)
 
 
 @pytest.fixture
 def empty_database(pg_server: Server) -> Iterator[Database]:
     """A database with nothing in it (for migration tests)."""
-    name = f"postbox_e_{uuid.uuid4().hex[:12]}"
-    janitor = pg_server.janitor(name)
-    janitor.init()
-    try:
-        yield Database(name, _conninfo_url(dict(pg_server.params, dbname=name)), pg_server)
-    finally:
-        janitor.drop()
+    yield from _cloned(pg_server, "postbox_e", None)
 
 
 @pytest.fixture

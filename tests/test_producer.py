@@ -123,22 +123,51 @@ def test_keys_order_messages_one_head_per_key(conn):
     ]
 
 
-def test_pending_message_becomes_head_if_its_head_finished_before_commit(database):
+def test_pending_message_gets_a_head_if_its_head_finished_before_commit(database):
     """The producer/worker race: a head that finishes while a producer's transaction is open must
-    not leave the producer's message without a head; the commit re-checks under the key lock."""
+    not leave the producer's message without a head: the commit files a repair, and the next claim
+    makes the message its key's head."""
     with database.connect() as producer, database.connect() as worker:
         service.receive(worker, consumer="c", message_id="h", key="k", payload={})
         worker.commit()
         service.receive(producer, consumer="c", message_id="next", key="k", payload={})
-        # The "worker" finishes the head the way the worker does: key lock, delete, promote.
-        worker.execute("SELECT postbox.lock_key_v1(1, 'c', 'k')")
-        worker.execute("DELETE FROM postbox.inbox WHERE message_id = 'h'")
-        promoted = worker.execute("SELECT postbox.inbox_promote_v1('c', 'k', now())").fetchone()[0]
-        assert promoted is None  # the producer's row is not committed yet: nothing to promote
+        ((hid, att),) = worker.execute(
+            "SELECT id, attempt FROM postbox.inbox_claim_v1('c', 'w', 10, '1 minute', now())"
+        ).fetchall()
         worker.commit()
+        worker.execute("SELECT postbox.inbox_complete_v1(%s, %s, now())", ([hid], [att]))
+        worker.commit()  # nothing to promote: the producer's row is not committed yet
         producer.commit()
-        state = producer.execute("SELECT state FROM postbox.inbox WHERE message_id = 'next'").fetchone()
-        assert state == ("ready",)
+        assert producer.execute("SELECT state FROM postbox.inbox WHERE message_id = 'next'").fetchone() == (
+            "pending",
+        )
+        assert producer.execute("SELECT count(*) FROM postbox.key_repairs").fetchone() == (1,)
+        producer.commit()
+        claimed = worker.execute(
+            "SELECT message_id FROM postbox.inbox_claim_v1('c', 'w', 10, '1 minute', now())"
+        ).fetchall()
+        worker.commit()
+        assert claimed == [("next",)]
+        assert worker.execute("SELECT count(*) FROM postbox.key_repairs").fetchone() == (0,)
+
+
+def test_a_new_message_never_overtakes_messages_waiting_for_repair(database):
+    """While a key's queued messages wait for their repair, a newly received message queues behind
+    them instead of becoming the head."""
+    with database.connect() as c:
+        c.execute(
+            "INSERT INTO postbox.inbox (consumer, message_id, key, position, payload, state)"
+            " VALUES ('c', 'old', 'k', 1, '{}', 'pending')"
+        )
+        c.commit()
+        service.receive(c, consumer="c", message_id="new", key="k", payload={})
+        c.commit()
+        rows = c.execute("SELECT message_id, state FROM postbox.inbox ORDER BY position").fetchall()
+        assert rows == [("old", "pending"), ("new", "pending")]
+        claimed = c.execute(
+            "SELECT message_id FROM postbox.inbox_claim_v1('c', 'w', 10, '1 minute', now())"
+        ).fetchall()
+        assert claimed == [("old",)]
 
 
 # --- every connection kind -------------------------------------------------------------------

@@ -66,29 +66,6 @@ def test_producer_worker_race_never_orphans_a_message(db):
         seen[p] = int(i)
 
 
-def test_promotion_at_commit_when_the_head_finished_meanwhile(db):
-    """Deterministic form of the race: the head finishes while a producer's transaction (holding a
-    message queued behind it) is still open; at commit the queued message becomes the head."""
-    url = db.url
-    with psycopg.connect(url) as p, psycopg.connect(url) as w:
-        service.receive(p, consumer="c", message_id="1", key="k", payload={})
-        p.commit()
-        service.receive(p, consumer="c", message_id="2", key="k", payload={})
-        claimed = w.execute(
-            "SELECT id, attempt FROM postbox.inbox_claim_v1('c', 'w', 10, '1 minute', now())"
-        ).fetchall()
-        w.commit()
-        assert len(claimed) == 1
-        lost = w.execute(
-            "SELECT postbox.inbox_complete_v1(%s, %s, now())", ([claimed[0][0]], [claimed[0][1]])
-        ).fetchone()[0]
-        w.commit()
-        assert lost == []
-        assert scalar(url, "SELECT count(*) FROM postbox.inbox") == 0  # 2 not committed yet
-        p.commit()
-    assert scalar(url, "SELECT state FROM postbox.inbox WHERE message_id = '2'") == "ready"
-
-
 def test_repeatable_read_producer_gets_a_retryable_error_not_an_orphan(db):
     """Under REPEATABLE READ the producer cannot see the head finish; its commit fails with a
     serialization error (retryable) rather than leaving its message without a head."""

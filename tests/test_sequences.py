@@ -86,6 +86,8 @@ def test_gap_timeout_is_surfaced(db):
         service.declare_consumer(c, "g", sequence_mode="gapless", gap_timeout_seconds=1)
         c.commit()
     receive(url, "g", 3)
+    # A worker's next claim looks at the key (it has no head) and records the gap.
+    assert scalar(url, "SELECT count(*) FROM postbox.inbox_claim_v1('g', 'w', 10, '1 minute', now())") == 0
     assert scalar(url, "SELECT timed_out FROM postbox.key_gaps") is False
     with psycopg.connect(url) as c:
         c.execute("UPDATE postbox.inbox_keys SET gap_since = gap_since - interval '2 seconds'")

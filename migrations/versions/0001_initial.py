@@ -21,6 +21,7 @@ FUNCTIONS = [
     "functions/inbox_receive_v1.sql",
     "functions/outbox_publish_v1.sql",
     "functions/inbox_worker_v1.sql",
+    "functions/outbox_relay_v1.sql",
     "functions/aliases_v1.sql",
     "views/views_v1.sql",
 ]

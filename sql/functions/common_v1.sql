@@ -40,11 +40,22 @@ BEGIN
 END
 $$;
 
--- Advisory lock on one key of the inbox (class 1) or outbox (class 2). Collisions of the hash only
--- serialise two keys a little more; they never break correctness.
-CREATE OR REPLACE FUNCTION postbox.lock_key_v1(lock_class integer, queue text, key text) RETURNS void
+-- The key lock: an advisory lock on one key of the inbox (class 1) or outbox (class 2). Whoever
+-- decides which message becomes a key's head holds it exclusively, and only ever by trying
+-- (workers, relays: pg_try_advisory_xact_lock, never waiting); a producer's commit holds it shared
+-- while it checks that its queued message still has a head. So producers never wait for each
+-- other, a worker never waits for anyone, and no lock cycle (deadlock) can form. A hash collision
+-- only makes two keys share a lock.
+CREATE OR REPLACE FUNCTION postbox.try_lock_key_v1(lock_class integer, queue text, key text) RETURNS boolean
 LANGUAGE plpgsql VOLATILE AS $$
 BEGIN
-    PERFORM pg_advisory_xact_lock(1349471040 + lock_class, hashtext(queue || '/' || key));
+    RETURN pg_try_advisory_xact_lock(1349471040 + lock_class, hashtext(queue || '/' || key));
+END
+$$;
+
+CREATE OR REPLACE FUNCTION postbox.lock_key_shared_v1(lock_class integer, queue text, key text) RETURNS void
+LANGUAGE plpgsql VOLATILE AS $$
+BEGIN
+    PERFORM pg_advisory_xact_lock_shared(1349471040 + lock_class, hashtext(queue || '/' || key));
 END
 $$;

@@ -1,4 +1,4 @@
--- How a key's head moves on. Callers hold the key's exclusive advisory lock (postbox.lock_key_v1(1, ...)).
+-- How a key's head moves on. Callers hold the key lock exclusively (postbox.try_lock_key_v1(1, ...)).
 
 -- Copy an inbox row into postbox.dead_letters; returns the dead letter's id. The caller decides what
 -- happens to the inbox row (blocked head, or deleted and the key moves on).
@@ -26,8 +26,7 @@ $$;
 -- Make the next message of a key its head, if the key has none. Applies the consumer's sequence
 -- mode: gapless waits for the expected sequence (recording gap_since), monotonic and gapless apply
 -- the late policy to messages at or below the last processed sequence. Returns the new head's id.
-CREATE OR REPLACE FUNCTION postbox.inbox_promote_v1(p_consumer text, p_key text, p_now timestamptz,
-                                                    p_by_producer boolean DEFAULT false)
+CREATE OR REPLACE FUNCTION postbox.inbox_promote_v1(p_consumer text, p_key text, p_now timestamptz)
 RETURNS bigint
 LANGUAGE plpgsql VOLATILE AS $$
 DECLARE
@@ -38,7 +37,6 @@ DECLARE
     v_last    bigint;
     v_gap     timestamptz;
     r         record;
-    v_row     postbox.inbox%ROWTYPE;
 BEGIN
     IF v_rc THEN
         PERFORM 1 FROM postbox.inbox WHERE consumer = p_consumer AND key = p_key AND state <> 'pending';
@@ -84,26 +82,11 @@ BEGIN
             END IF;
             RETURN NULL;
         END IF;
-        IF NOT p_by_producer THEN
-            -- A worker finishing the head: no other head can appear meanwhile (a producer's
-            -- insert-as-head waits on the old head's deletion, promoters need the key lock).
-            UPDATE postbox.inbox SET state = 'ready', available_at = p_now WHERE id = r.id;
-        ELSE
-            -- A producer's commit: another producer may be inserting a head right now (it found
-            -- no head either). Re-insert as head with ON CONFLICT, so that we wait for it and then
-            -- stay queued behind it instead of failing on the unique index.
-            DELETE FROM postbox.inbox WHERE id = r.id RETURNING * INTO v_row;
-            v_row.state := 'ready';
-            v_row.available_at := p_now;
-            INSERT INTO postbox.inbox VALUES (v_row.*) ON CONFLICT (consumer, key) WHERE state <> 'pending' DO NOTHING;
-            IF NOT FOUND THEN
-                v_row.state := 'pending';
-                INSERT INTO postbox.inbox VALUES (v_row.*);
-                RETURN NULL;
-            END IF;
-            IF postbox.notify_enabled_v1() THEN
-                PERFORM pg_notify('postbox_inbox', p_consumer);
-            END IF;
+        -- No head can appear meanwhile: a producer's insert-as-head waits on the old head's
+        -- deletion (or sees pending rows and queues); repairs guard against the rest.
+        UPDATE postbox.inbox SET state = 'ready', available_at = p_now WHERE id = r.id;
+        IF postbox.notify_enabled_v1() THEN
+            PERFORM pg_notify('postbox_inbox', p_consumer);
         END IF;
         IF v_gap IS NOT NULL THEN
             UPDATE postbox.inbox_keys SET gap_since = NULL WHERE consumer = p_consumer AND key = p_key;
@@ -112,16 +95,68 @@ BEGIN
     END LOOP;
 END
 $$;
-COMMENT ON FUNCTION postbox.inbox_promote_v1(text, text, timestamptz, boolean)
+COMMENT ON FUNCTION postbox.inbox_promote_v1(text, text, timestamptz)
     IS 'Internal: make the next message of a key its head. Caller holds the key lock.';
 
--- Deferred to the producer's commit: a message queued behind a head re-checks, under the key lock,
--- that its key still has a head; if the head finished meanwhile, the next message becomes head.
+-- Deferred to the producer's commit: a message queued behind a head re-checks, holding the key lock
+-- shared (so that no worker decides the key's head meanwhile), that its key still has a head. If the
+-- head finished while this transaction was open, it files a repair: the next claim of a worker
+-- makes the key's next message its head. Producers never promote (no waits between producers).
 CREATE OR REPLACE FUNCTION postbox.inbox_pending_commit_v1() RETURNS trigger
 LANGUAGE plpgsql AS $$
 BEGIN
-    PERFORM postbox.lock_key_v1(1, NEW.consumer, NEW.key);
-    PERFORM postbox.inbox_promote_v1(NEW.consumer, NEW.key, now(), true);
+    PERFORM postbox.lock_key_shared_v1(1, NEW.consumer, NEW.key);
+    IF current_setting('transaction_isolation') = 'read committed' THEN
+        PERFORM 1 FROM postbox.inbox WHERE consumer = NEW.consumer AND key = NEW.key AND state <> 'pending';
+    ELSE
+        -- Under REPEATABLE READ a head that changed after our snapshot must not be trusted: locking
+        -- it fails with a serialization error instead, which the producer retries.
+        PERFORM 1 FROM postbox.inbox WHERE consumer = NEW.consumer AND key = NEW.key AND state <> 'pending'
+            FOR KEY SHARE;
+    END IF;
+    IF NOT FOUND THEN
+        INSERT INTO postbox.key_repairs (origin, queue, key) VALUES ('inbox', NEW.consumer, NEW.key);
+    END IF;
     RETURN NULL;
 END
 $$;
+
+-- Make heads for keys whose repair was filed (see inbox_pending_commit_v1 and the worker's
+-- complete). Called at the start of every claim; never waits: a key locked by someone else, or with
+-- a producer's head still uncommitted, is left for the next claim.
+CREATE OR REPLACE FUNCTION postbox.repair_keys_v1(p_origin text, p_queue text, p_now timestamptz, p_limit integer)
+RETURNS integer
+LANGUAGE plpgsql VOLATILE AS $$
+DECLARE
+    r         record;
+    v_done    integer := 0;
+    v_timeout text := current_setting('lock_timeout');
+BEGIN
+    IF NOT EXISTS (SELECT 1 FROM postbox.key_repairs WHERE origin = p_origin AND queue = p_queue) THEN
+        RETURN 0;
+    END IF;
+    PERFORM set_config('lock_timeout', '50ms', true);
+    FOR r IN SELECT DISTINCT key FROM postbox.key_repairs
+              WHERE origin = p_origin AND queue = p_queue LIMIT p_limit
+    LOOP
+        IF NOT postbox.try_lock_key_v1(CASE p_origin WHEN 'inbox' THEN 1 ELSE 2 END, p_queue, r.key) THEN
+            CONTINUE;
+        END IF;
+        BEGIN
+            IF p_origin = 'inbox' THEN
+                PERFORM postbox.inbox_promote_v1(p_queue, r.key, p_now);
+            ELSE
+                PERFORM postbox.outbox_promote_v1(p_queue, r.key, p_now);
+            END IF;
+            DELETE FROM postbox.key_repairs WHERE origin = p_origin AND queue = p_queue AND key = r.key;
+            v_done := v_done + 1;
+        EXCEPTION WHEN lock_not_available OR unique_violation THEN
+            NULL;  -- a producer is inserting a head for this key right now: it is not orphaned
+        END;
+    END LOOP;
+    PERFORM set_config('lock_timeout', v_timeout, true);
+    RETURN v_done;
+END
+$$;
+COMMENT ON FUNCTION postbox.repair_keys_v1(text, text, timestamptz, integer)
+    IS 'Internal: give keys whose head finished during a producer''s transaction their next head.';

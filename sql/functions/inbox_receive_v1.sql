@@ -109,6 +109,12 @@ BEGIN
         END IF;
     END IF;
 
+    IF v_state = 'ready' AND EXISTS (
+        SELECT 1 FROM postbox.inbox p
+         WHERE p.consumer = v_consumer AND p.key = v_key AND p.state = 'pending' AND p.position < v_position) THEN
+        -- Earlier messages are queued and wait for their head to be repaired: never overtake them.
+        v_state := 'pending';
+    END IF;
     IF v_state = 'ready' THEN
         -- Become the head of the key unless it already has one (which we then queue behind).
         INSERT INTO postbox.inbox AS i (id, consumer, message_id, key, sequence, position, type, schema_version,

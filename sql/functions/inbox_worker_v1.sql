@@ -12,6 +12,7 @@ BEGIN
     -- The claim is bookkeeping: if the server crashes before it reaches disk, the message is simply
     -- claimable again. Any later synchronous commit (the handler's) flushes it too.
     PERFORM set_config('synchronous_commit', 'off', true);
+    PERFORM postbox.repair_keys_v1('inbox', p_consumer, p_now, 100);
     RETURN QUERY
     WITH due AS (
         SELECT i.id, i.state AS was_state, i.claimed_by AS was_claimed_by, i.attempt AS was_attempt
@@ -73,7 +74,6 @@ BEGIN
             v_lost := v_lost || r.id;
             CONTINUE;
         END IF;
-        PERFORM postbox.lock_key_v1(1, r.consumer, r.key);
         IF NOT postbox.inbox_finish_v1(r.id, r.attempt, p_now, true) THEN
             v_lost := v_lost || r.id;
         END IF;
@@ -85,7 +85,8 @@ COMMENT ON FUNCTION postbox.inbox_complete_v1(bigint[], integer[], timestamptz)
     IS 'Worker: mark messages done (fenced by attempt) and promote the next message of each key; returns ids no longer held.';
 
 -- Internal: take a finished (done or skipped) message out of the inbox, record its sequence for
--- sequenced consumers, and promote the next one. Caller holds the key lock. False if not held.
+-- sequenced consumers, and promote the next one if the key lock is free right now (else file a
+-- repair, done at the next claim). False if the claim is no longer ours.
 CREATE OR REPLACE FUNCTION postbox.inbox_finish_v1(p_id bigint, p_attempt integer, p_now timestamptz, p_fenced boolean)
 RETURNS boolean
 LANGUAGE plpgsql VOLATILE AS $$
@@ -109,7 +110,11 @@ BEGIN
         ON CONFLICT (consumer, key) DO UPDATE
            SET last_sequence = greatest(k.last_sequence, excluded.last_sequence), last_done_at = excluded.last_done_at;
     END IF;
-    PERFORM postbox.inbox_promote_v1(v_row.consumer, v_row.key, p_now);
+    IF postbox.try_lock_key_v1(1, v_row.consumer, v_row.key) THEN
+        PERFORM postbox.inbox_promote_v1(v_row.consumer, v_row.key, p_now);
+    ELSE
+        INSERT INTO postbox.key_repairs (origin, queue, key) VALUES ('inbox', v_row.consumer, v_row.key);
+    END IF;
     RETURN true;
 END
 $$;
@@ -168,7 +173,6 @@ BEGIN
     IF NOT FOUND THEN
         RETURN NULL;
     END IF;
-    PERFORM postbox.lock_key_v1(1, v_row.consumer, v_row.key);
     PERFORM 1 FROM postbox.inbox WHERE id = p_id AND attempt = p_attempt AND state = 'running' FOR UPDATE;
     IF NOT FOUND THEN
         RETURN NULL;

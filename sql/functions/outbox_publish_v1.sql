@@ -45,12 +45,18 @@ BEGIN
     END IF;
     v_key := coalesce(outbox_publish_v1.key, v_mid);
     v_id := nextval('postbox.outbox_id_seq');
-    INSERT INTO postbox.outbox (id, destination, message_id, key, position, type, payload, headers,
-                                correlation_id, causation_id, state)
-    VALUES (v_id, outbox_publish_v1.destination, v_mid, v_key, v_id, outbox_publish_v1.type,
-            outbox_publish_v1.payload, coalesce(outbox_publish_v1.headers, '{}'),
-            outbox_publish_v1.correlation_id, outbox_publish_v1.causation_id, 'ready')
-    ON CONFLICT (destination, key) WHERE state <> 'pending' DO NOTHING;
+    -- Rows already queued for this key (waiting for their head to be repaired) go first.
+    IF NOT EXISTS (SELECT 1 FROM postbox.outbox p
+                    WHERE p.destination = outbox_publish_v1.destination AND p.key = v_key AND p.state = 'pending') THEN
+        INSERT INTO postbox.outbox (id, destination, message_id, key, position, type, payload, headers,
+                                    correlation_id, causation_id, state)
+        VALUES (v_id, outbox_publish_v1.destination, v_mid, v_key, v_id, outbox_publish_v1.type,
+                outbox_publish_v1.payload, coalesce(outbox_publish_v1.headers, '{}'),
+                outbox_publish_v1.correlation_id, outbox_publish_v1.causation_id, 'ready')
+        ON CONFLICT (destination, key) WHERE state <> 'pending' DO NOTHING;
+    ELSE
+        PERFORM 1 WHERE false;  -- FOUND := false: queue behind them
+    END IF;
     IF FOUND THEN
         IF postbox.notify_enabled_v1() THEN
             PERFORM pg_notify('postbox_outbox', outbox_publish_v1.destination);
@@ -105,54 +111,47 @@ BEGIN
 END
 $$;
 
--- The outbox's head movement: like the inbox in arrival mode. Caller holds lock_key_v1(2, destination, key).
-CREATE OR REPLACE FUNCTION postbox.outbox_promote_v1(p_destination text, p_key text, p_now timestamptz,
-                                                     p_by_producer boolean DEFAULT false)
+-- The outbox's head movement: like the inbox in arrival mode. Caller holds the key lock
+-- exclusively (postbox.try_lock_key_v1(2, destination, key)).
+CREATE OR REPLACE FUNCTION postbox.outbox_promote_v1(p_destination text, p_key text, p_now timestamptz)
 RETURNS bigint
 LANGUAGE plpgsql VOLATILE AS $$
 DECLARE
-    v_row  postbox.outbox%ROWTYPE;
+    v_id  bigint;
 BEGIN
-    IF current_setting('transaction_isolation') = 'read committed' THEN
-        PERFORM 1 FROM postbox.outbox WHERE destination = p_destination AND key = p_key AND state <> 'pending';
-    ELSE
-        PERFORM 1 FROM postbox.outbox WHERE destination = p_destination AND key = p_key AND state <> 'pending'
-            FOR KEY SHARE;
-    END IF;
+    PERFORM 1 FROM postbox.outbox WHERE destination = p_destination AND key = p_key AND state <> 'pending';
     IF FOUND THEN
         RETURN NULL;
     END IF;
-    SELECT * INTO v_row FROM postbox.outbox
+    SELECT id INTO v_id FROM postbox.outbox
      WHERE destination = p_destination AND key = p_key AND state = 'pending'
      ORDER BY position, id LIMIT 1;
     IF NOT FOUND THEN
         RETURN NULL;
     END IF;
-    IF NOT p_by_producer THEN
-        UPDATE postbox.outbox SET state = 'ready', available_at = p_now WHERE id = v_row.id;
-        RETURN v_row.id;
-    END IF;
-    DELETE FROM postbox.outbox WHERE id = v_row.id;
-    v_row.state := 'ready';
-    v_row.available_at := p_now;
-    INSERT INTO postbox.outbox VALUES (v_row.*) ON CONFLICT (destination, key) WHERE state <> 'pending' DO NOTHING;
-    IF NOT FOUND THEN
-        v_row.state := 'pending';
-        INSERT INTO postbox.outbox VALUES (v_row.*);
-        RETURN NULL;
-    END IF;
+    UPDATE postbox.outbox SET state = 'ready', available_at = p_now WHERE id = v_id;
     IF postbox.notify_enabled_v1() THEN
         PERFORM pg_notify('postbox_outbox', p_destination);
     END IF;
-    RETURN v_row.id;
+    RETURN v_id;
 END
 $$;
 
+-- At the producer's commit, like postbox.inbox_pending_commit_v1: file a repair if the row's key
+-- lost its head while the transaction was open.
 CREATE OR REPLACE FUNCTION postbox.outbox_pending_commit_v1() RETURNS trigger
 LANGUAGE plpgsql AS $$
 BEGIN
-    PERFORM postbox.lock_key_v1(2, NEW.destination, NEW.key);
-    PERFORM postbox.outbox_promote_v1(NEW.destination, NEW.key, now(), true);
+    PERFORM postbox.lock_key_shared_v1(2, NEW.destination, NEW.key);
+    IF current_setting('transaction_isolation') = 'read committed' THEN
+        PERFORM 1 FROM postbox.outbox WHERE destination = NEW.destination AND key = NEW.key AND state <> 'pending';
+    ELSE
+        PERFORM 1 FROM postbox.outbox WHERE destination = NEW.destination AND key = NEW.key AND state <> 'pending'
+            FOR KEY SHARE;
+    END IF;
+    IF NOT FOUND THEN
+        INSERT INTO postbox.key_repairs (origin, queue, key) VALUES ('outbox', NEW.destination, NEW.key);
+    END IF;
     RETURN NULL;
 END
 $$;
