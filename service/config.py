@@ -104,15 +104,9 @@ class ConsumerPolicy(BaseModel):
         return RetryPolicy(**merged)
 
 
-class PostgresDestination(BaseModel):
-    """Deliver into the inbox of ``consumer`` in the database at ``url`` (default: the relay's own)."""
-
+class _Destination(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    kind: Literal["postgres"]
-    consumer: str = Field(min_length=1)
-    url: str | None = None
-    source: str | None = None
     retry: dict[str, Any] = Field(default_factory=dict)
     on_dead_letter: Literal["block", "skip"] = "block"
 
@@ -120,7 +114,56 @@ class PostgresDestination(BaseModel):
         return RetryPolicy(**self.retry)
 
 
-DestinationConfig = Annotated[PostgresDestination, Field(discriminator="kind")]
+class PostgresDestination(_Destination):
+    """Deliver into the inbox of ``consumer`` in the database at ``url`` (default: the relay's own)."""
+
+    kind: Literal["postgres"]
+    consumer: str = Field(min_length=1)
+    url: str | None = None
+    source: str | None = None
+
+
+class RabbitMQDestination(_Destination):
+    """Publish to RabbitMQ with confirms (default: a durable queue named after the destination)."""
+
+    kind: Literal["rabbitmq"]
+    url: str = "amqp://guest:guest@127.0.0.1:5672/%2F"
+    exchange: str = ""
+    routing_key: str | None = None
+
+
+class NatsDestination(_Destination):
+    """Publish to a NATS JetStream subject (stream created if missing)."""
+
+    kind: Literal["nats"]
+    url: str = "nats://127.0.0.1:4222"
+    subject: str | None = None
+    stream: str | None = None
+
+
+class RedisDestination(_Destination):
+    """XADD to a Redis stream."""
+
+    kind: Literal["redis"]
+    url: str = "redis://127.0.0.1:6379/0"
+    stream: str | None = None
+    maxlen: int | None = Field(default=None, gt=0)
+
+
+class HttpDestination(_Destination):
+    """POST each row to a webhook."""
+
+    kind: Literal["http"]
+    url: str = Field(pattern=r"^https?://")
+    timeout: float = Field(default=10.0, gt=0)
+    hmac_secret_env: str | None = None
+    headers: dict[str, str] = Field(default_factory=dict)
+
+
+DestinationConfig = Annotated[
+    PostgresDestination | RabbitMQDestination | NatsDestination | RedisDestination | HttpDestination,
+    Field(discriminator="kind"),
+]
 
 
 class PoliciesConfig(BaseModel):
@@ -180,6 +223,15 @@ def load_policies(data: dict[str, Any] | Path | None) -> PoliciesConfig:
 
 def build_transports(config: PoliciesConfig, names: list[str], own_url: str) -> dict[str, Any]:
     """The transports of the named destinations (all configured ones if ``names`` is empty)."""
+    import os
+    import re
+
+    from service.transports.brokers import (
+        HttpTransport,
+        NatsTransport,
+        RabbitMQTransport,
+        RedisStreamsTransport,
+    )
     from service.transports.postgres import PostgresTransport
 
     wanted = names or sorted(config.destinations)
@@ -192,7 +244,25 @@ def build_transports(config: PoliciesConfig, names: list[str], own_url: str) -> 
             raise ConfigError(
                 f"destination {name!r} is not declared in the config file ([destinations.{name}])"
             )
-        transports[name] = PostgresTransport(dest.url or own_url, dest.consumer, dest.source)
+        if isinstance(dest, PostgresDestination):
+            transports[name] = PostgresTransport(dest.url or own_url, dest.consumer, dest.source)
+        elif isinstance(dest, RabbitMQDestination):
+            transports[name] = RabbitMQTransport(dest.url, dest.routing_key or name, dest.exchange)
+        elif isinstance(dest, NatsDestination):
+            stream = dest.stream or "POSTBOX_" + re.sub(r"[^A-Za-z0-9_-]", "_", name).upper()
+            transports[name] = NatsTransport(dest.url, dest.subject or f"postbox.{name}", stream)
+        elif isinstance(dest, RedisDestination):
+            transports[name] = RedisStreamsTransport(dest.url, dest.stream or f"postbox:{name}", dest.maxlen)
+        else:
+            secret = None
+            if dest.hmac_secret_env is not None:
+                value = os.environ.get(dest.hmac_secret_env)
+                if not value:
+                    raise ConfigError(
+                        f"destinations.{name}.hmac_secret_env: {dest.hmac_secret_env} is not set"
+                    )
+                secret = value.encode()
+            transports[name] = HttpTransport(dest.url, dest.timeout, secret, dest.headers)
     return transports
 
 

@@ -28,7 +28,7 @@ from service.messages import to_json
 from service.outcomes import Permanent, Retry, Transient, UnknownOutcome
 from service.sql_handlers import message_document
 
-__all__ = ["HttpEndpoint", "retry_after_seconds", "sign"]
+__all__ = ["HttpEndpoint", "post", "raise_for_response", "retry_after_seconds", "sign"]
 
 
 def sign(secret: bytes, timestamp: str, body: bytes) -> str:
@@ -98,23 +98,30 @@ class HttpEndpoint:
             headers["X-Postbox-Timestamp"] = stamp
             headers["X-Postbox-Signature"] = sign(self.secret, stamp, body)
         with self._gate:
-            try:
-                response = self._client.post(self.url, content=body, headers=headers)
-            except httpx.TimeoutException as error:
-                raise Transient(f"HTTP request timed out: {type(error).__name__}") from error
-            except httpx.ConnectError as error:
-                raise Transient(f"HTTP connection failed: {error}") from error
-            except (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError) as error:
-                raise UnknownOutcome(f"HTTP response lost after the request was sent: {error}") from error
-        self._raise_for(response)
+            response = post(self._client, self.url, body, headers)
+        raise_for_response(response)
 
-    @staticmethod
-    def _raise_for(response: httpx.Response) -> None:
-        status = response.status_code
-        if 200 <= status < 300:
-            return
-        detail = f"HTTP {status}: {response.text[:200]}".strip()
-        if status in (408, 425, 429) or status >= 500:
-            after = retry_after_seconds(response.headers.get("Retry-After"))
-            raise Retry(after=after, reason=detail) if after is not None else Transient(detail)
-        raise Permanent(detail)
+
+def raise_for_response(response: httpx.Response) -> None:
+    """Success for 2xx; else the outcome its status means (Retry-After honoured)."""
+    status = response.status_code
+    if 200 <= status < 300:
+        return
+    detail = f"HTTP {status}: {response.text[:200]}".strip()
+    if status in (408, 425, 429) or status >= 500:
+        after = retry_after_seconds(response.headers.get("Retry-After"))
+        raise Retry(after=after, reason=detail) if after is not None else Transient(detail)
+    raise Permanent(detail)
+
+
+def post(client: httpx.Client, url: str, body: bytes, headers: dict[str, str]) -> httpx.Response:
+    """POST, turning transport errors into outcomes: timeouts and refused connections are
+    transient; a response lost after the request was sent is an unknown outcome."""
+    try:
+        return client.post(url, content=body, headers=headers)
+    except httpx.TimeoutException as error:
+        raise Transient(f"HTTP request timed out: {type(error).__name__}") from error
+    except httpx.ConnectError as error:
+        raise Transient(f"HTTP connection failed: {error}") from error
+    except (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError) as error:
+        raise UnknownOutcome(f"HTTP response lost after the request was sent: {error}") from error

@@ -257,6 +257,7 @@ class _Loop:
         d = decide(
             self.policy, c.kind, attempt=row.attempt, now=now, first_failed_at=row.first_failed_at,
             received_at=row.created_at, rng=self.relay.rng, explicit_delay=c.retry_after,
+            idempotent=True,  # destinations deduplicate by message_id: the relay is at-least-once
         )  # fmt: skip
         common = {
             "id": row.id, "attempt": row.attempt, "now": now, "error": c.message, "error_type": c.error_type,
