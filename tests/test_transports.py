@@ -6,6 +6,7 @@ back); and a duplicate publish carries the same message_id for the receiver to d
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import threading
 import uuid
@@ -144,10 +145,8 @@ def nats_kind() -> Kind:
 
     async def _cleanup() -> None:
         nc = await nats.connect("nats://127.0.0.1:4222")
-        try:
+        with contextlib.suppress(Exception):
             await nc.jetstream().delete_stream(stream)
-        except Exception:
-            pass
         await nc.close()
 
     return Kind(
