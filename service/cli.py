@@ -267,6 +267,34 @@ def relay(
 
 
 @cli.command()
+@click.option("--from", "source_url", required=True, help="Broker URL: amqp://..., redis://... or nats://...")
+@click.option(
+    "--name", required=True, help="RabbitMQ queue, Redis stream, or NATS STREAM:SUBJECT to consume."
+)
+@click.option("--consumer", required=True, help="The inbox consumer the messages are received for.")
+@click.option("--batch-size", default=100, show_default=True, type=click.IntRange(1, 10_000))
+@click.pass_context
+def bridge(ctx: click.Context, source_url: str, name: str, consumer: str, batch_size: int) -> None:
+    """Consume from a broker into the inbox: insert, commit, then acknowledge."""
+    from service.bridge import Bridge, source_for
+
+    url = _url(ctx)
+    try:
+        source = source_for(source_url, name)
+    except ValueError as error:
+        raise click.BadParameter(str(error), param_hint="--from") from None
+    b = Bridge(url, source, consumer, batch_size=batch_size, origin=name)
+
+    def on_signal(signum: int, frame: object) -> None:
+        click.echo(f"postbox: bridge stopping (signal {signum})", err=True)
+        b.stop()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    b.run()
+
+
+@cli.command()
 @click.pass_context
 def demo(ctx: click.Context) -> None:
     """Run the order scenario end to end (embedded PostgreSQL unless a database URL is given)."""

@@ -90,3 +90,16 @@ SELECT consumer, attempt, state, count(*) AS messages,
  WHERE attempt > 0 OR state <> 'pending'
  GROUP BY consumer, attempt, state;
 COMMENT ON VIEW postbox.inbox_by_attempt IS 'Live messages by consumer, attempt number and state (retries in flight show attempt > 1 or a next_retry_at).';
+
+CREATE OR REPLACE VIEW postbox.outbox_backlog AS
+SELECT destination,
+       count(*)                                              AS rows,
+       count(*) FILTER (WHERE state = 'ready')               AS ready,
+       count(*) FILTER (WHERE state = 'running')             AS in_flight,
+       count(*) FILTER (WHERE state = 'ready' AND attempt > 0) AS retrying,
+       count(*) FILTER (WHERE state = 'blocked')             AS blocked,
+       min(created_at)                                       AS oldest_at,
+       now() - min(created_at)                               AS oldest_age
+  FROM postbox.outbox
+ GROUP BY destination;
+COMMENT ON VIEW postbox.outbox_backlog IS 'Relay lag per destination: rows waiting, in flight, retrying, blocked, and the age of the oldest unpublished row.';
