@@ -222,7 +222,9 @@ def load_policies(data: dict[str, Any] | Path | None) -> PoliciesConfig:
 
 
 def build_transports(config: PoliciesConfig, names: list[str], own_url: str) -> dict[str, Any]:
-    """The transports of the named destinations (all configured ones if ``names`` is empty)."""
+    """Transport factories for the named destinations (all configured ones if ``names`` is empty):
+    each relay loop calls its factory, so no broker client is shared between threads."""
+    import functools
     import os
     import re
 
@@ -245,14 +247,22 @@ def build_transports(config: PoliciesConfig, names: list[str], own_url: str) -> 
                 f"destination {name!r} is not declared in the config file ([destinations.{name}])"
             )
         if isinstance(dest, PostgresDestination):
-            transports[name] = PostgresTransport(dest.url or own_url, dest.consumer, dest.source)
+            transports[name] = functools.partial(
+                PostgresTransport, dest.url or own_url, dest.consumer, dest.source
+            )
         elif isinstance(dest, RabbitMQDestination):
-            transports[name] = RabbitMQTransport(dest.url, dest.routing_key or name, dest.exchange)
+            transports[name] = functools.partial(
+                RabbitMQTransport, dest.url, dest.routing_key or name, dest.exchange
+            )
         elif isinstance(dest, NatsDestination):
             stream = dest.stream or "POSTBOX_" + re.sub(r"[^A-Za-z0-9_-]", "_", name).upper()
-            transports[name] = NatsTransport(dest.url, dest.subject or f"postbox.{name}", stream)
+            transports[name] = functools.partial(
+                NatsTransport, dest.url, dest.subject or f"postbox.{name}", stream
+            )
         elif isinstance(dest, RedisDestination):
-            transports[name] = RedisStreamsTransport(dest.url, dest.stream or f"postbox:{name}", dest.maxlen)
+            transports[name] = functools.partial(
+                RedisStreamsTransport, dest.url, dest.stream or f"postbox:{name}", dest.maxlen
+            )
         else:
             secret = None
             if dest.hmac_secret_env is not None:
@@ -262,7 +272,7 @@ def build_transports(config: PoliciesConfig, names: list[str], own_url: str) -> 
                         f"destinations.{name}.hmac_secret_env: {dest.hmac_secret_env} is not set"
                     )
                 secret = value.encode()
-            transports[name] = HttpTransport(dest.url, dest.timeout, secret, dest.headers)
+            transports[name] = functools.partial(HttpTransport, dest.url, dest.timeout, secret, dest.headers)
     return transports
 
 

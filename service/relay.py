@@ -68,7 +68,7 @@ class Relay:
     def __init__(
         self,
         url: str,
-        transports: Mapping[str, Transport],
+        transports: Mapping[str, Transport | Callable[[], Transport]],
         settings: RelaySettings,
         *,
         policies: Mapping[str, RetryPolicy] | None = None,
@@ -80,7 +80,10 @@ class Relay:
         if not transports:
             raise ValueError("postbox: a relay needs at least one destination")
         self.url = url
+        # A factory gives every loop its own transport (broker clients are not thread-safe); a
+        # shared instance is used by one loop at a time.
         self.transports = dict(transports)
+        self._locks = {name: threading.Lock() for name in self.transports}
         self.settings = settings
         self.policies = dict(policies or {})
         self.dead_letter_policies = dict(dead_letter_policies or {})
@@ -151,7 +154,8 @@ class Relay:
         for t in self._helpers:
             t.join(5)
         for transport in self.transports.values():
-            transport.close()
+            if not callable(transport):
+                transport.close()
         self.presence.unregister()
         self._emit("stopped", relay=self.id)
 
@@ -166,7 +170,10 @@ class _Loop:
     def __init__(self, relay: Relay, destination: str) -> None:
         self.relay = relay
         self.destination = destination
-        self.transport = relay.transports[destination]
+        made = relay.transports[destination]
+        self.transport: Transport = made() if callable(made) else made
+        self._shared = not callable(made)
+        self._lock = relay._locks[destination]
         self.policy = relay.policies.get(destination, relay.settings.retry)
         self.on_dead_letter = relay.dead_letter_policies.get(destination, relay.settings.on_dead_letter)
         self.conn: psycopg.Connection[Any] | None = None
@@ -206,6 +213,8 @@ class _Loop:
                     return
         if self.conn is not None:
             self.conn.close()
+        if not self._shared:
+            self.transport.close()
 
     def _claim(self) -> list[OutboxRow]:
         assert self.conn is not None
@@ -225,7 +234,11 @@ class _Loop:
         assert self.conn is not None
         started = time.monotonic()
         try:
-            results = self.transport.publish(rows)
+            if self._shared:
+                with self._lock:
+                    results = self.transport.publish(rows)
+            else:
+                results = self.transport.publish(rows)
         except Exception as bug:  # a transport bug fails the batch, transiently
             log.exception("transport %s raised", self.destination)
             results = [bug] * len(rows)

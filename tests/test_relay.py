@@ -63,7 +63,13 @@ def test_relay_delivers_every_row_once_in_key_order(database):
     url = database.url
     rows = [(f"e{i}", f"k{i % 20}") for i in range(500)]
     publish(url, rows)
-    assert scalar(url, "SELECT row(destination, rows, ready, oldest_age > interval '0')::text FROM postbox.outbox_backlog") == "(next,500,20,t)"
+    assert (
+        scalar(
+            url,
+            "SELECT row(destination, rows, ready, oldest_age > interval '0')::text FROM postbox.outbox_backlog",
+        )
+        == "(next,500,20,t)"
+    )
     r = start_relay(url, concurrency=2, batch_size=25)
     try:
         eventually(lambda: scalar(url, "SELECT count(*) = 0 FROM postbox.outbox"))

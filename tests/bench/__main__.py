@@ -231,6 +231,88 @@ class Bench:
                 p.wait(30)
         return n / elapsed, peak
 
+    def relay(self, n: int, keys: int, kind: str) -> tuple[float, float]:
+        """Relay throughput (rows/s) and the relay's peak RSS (MB): n rows over ``keys`` keys to the
+        PostgreSQL transport (this database, another consumer) or to RabbitMQ with confirms."""
+        url = self.fresh()
+        queue = f"postbox-bench-{uuid.uuid4().hex[:8]}"
+        with psycopg.connect(url) as c:
+            for start in range(0, n, 1000):
+                service.publish_many(
+                    c,
+                    [
+                        {
+                            "destination": "out",
+                            "message_id": f"r{i}",
+                            "key": f"k{i % keys}",
+                            "payload": {"i": i},
+                        }
+                        for i in range(start, min(start + 1000, n))
+                    ],
+                )
+                c.commit()
+        with tempfile.NamedTemporaryFile("w", suffix=".toml", delete=False) as f:
+            if kind == "postgres":
+                f.write('[destinations.out]\nkind = "postgres"\nconsumer = "relayed"\n')
+            else:
+                f.write(f'[destinations.out]\nkind = "rabbitmq"\nrouting_key = "{queue}"\n')
+        p = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "service",
+                "--config",
+                f.name,
+                "--database-url",
+                url,
+                "relay",
+                "--batch-size",
+                "200",
+                "--concurrency",
+                "2",
+                "--poll-interval",
+                "0.05",
+            ],
+            cwd=REPO,
+            env={**os.environ, "PYTHONPATH": str(REPO)},
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+        )
+        peak = 0.0
+        try:
+            with psycopg.connect(url, autocommit=True) as c:
+                t = time.perf_counter()
+                while c.execute("SELECT EXISTS (SELECT 1 FROM postbox.outbox)").fetchone()[0]:
+                    peak = max(peak, _rss_mb(p.pid))
+                    time.sleep(0.05)
+                elapsed = time.perf_counter() - t
+                if kind == "postgres":
+                    got = c.execute(
+                        "SELECT count(DISTINCT message_id) FROM postbox.inbox WHERE consumer = 'relayed'"
+                    ).fetchone()[0]
+                    bad = c.execute(
+                        "SELECT count(*) FROM (SELECT substr(message_id, 2)::int AS i, lag(substr(message_id, 2)::int)"
+                        " OVER (PARTITION BY key ORDER BY id) AS prev FROM postbox.inbox WHERE consumer = 'relayed') x"
+                        " WHERE prev IS NOT NULL AND i < prev"
+                    ).fetchone()[0]
+                    if got != n or bad:
+                        raise AssertionError(f"relay broke an invariant: {got} of {n}, {bad} out of order")
+        finally:
+            p.send_signal(signal.SIGTERM)
+            p.wait(30)
+            os.unlink(f.name)
+            if kind == "rabbitmq":
+                import pika
+
+                conn = pika.BlockingConnection(pika.URLParameters("amqp://guest:guest@127.0.0.1:5672/%2F"))
+                ch = conn.channel()
+                count = ch.queue_declare(queue, durable=True, passive=True).method.message_count
+                ch.queue_delete(queue)
+                conn.close()
+                if count < n:
+                    raise AssertionError(f"relay to RabbitMQ lost rows: {count} of {n}")
+        return n / elapsed, peak
+
     def claim_cost(self, backlog: str, samples: int) -> float:
         """Median ms of one claim (1 message) + complete, with the given backlog present."""
         url = self.fresh()
@@ -363,6 +445,7 @@ def main() -> None:
         "batch": 5000 if quick else 50000,
         "drain": 4000 if quick else 20000,
         "pg_seconds": 3 if quick else 10,
+        "relay": 4000 if quick else 20000,
         "claim_samples": 100 if quick else 500,
         "lat_seconds": 3 if quick else 20,
     }
@@ -387,6 +470,10 @@ def main() -> None:
             rate, rss = b.drain(sizes["drain"], 500, processes=2, concurrency=2, batch=50)
             b.record("ordered drain, 500 keys, 2 proc x 2 slots", "msg/s", rate)
             b.record("worker peak RSS during drain", "MB", rss)
+            for kind in ("postgres", "rabbitmq"):
+                rate, rss = b.relay(sizes["relay"], 500, kind)
+                b.record(f"relay to {kind}, 500 keys, in order, confirmed", "rows/s", rate)
+                b.record(f"relay peak RSS ({kind})", "MB", rss)
             b.record("claim+complete, 10k ready", "ms", b.claim_cost("10k", sizes["claim_samples"]))
             if not quick or rep == 0:
                 b.record(
