@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib
 import signal
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import click
@@ -74,6 +75,17 @@ def downgrade(ctx: click.Context, revision: str) -> None:
     url = _url(ctx)
     migrations.downgrade(url, revision)
     click.echo(f"postbox: {mask_url(url)} is at revision {migrations.current_revision(url)}", err=True)
+
+
+def _stop_on_signals(stop: Callable[[], None], what: str) -> None:
+    """SIGTERM and SIGINT call ``stop`` (the process then finishes what it has in flight)."""
+
+    def on_signal(signum: int, frame: object) -> None:
+        click.echo(f"postbox: {what} (signal {signum})", err=True)
+        stop()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
 
 
 def _load_registry(app: str) -> Registry:
@@ -257,12 +269,7 @@ def relay(
     except ValueError as error:
         raise click.ClickException(str(error)) from None
 
-    def on_signal(signum: int, frame: object) -> None:
-        click.echo(f"postbox: relay stopping (signal {signum}); the batch in flight finishes", err=True)
-        r.stop()
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
+    _stop_on_signals(r.stop, "relay stopping; the batch in flight finishes")
     r.run()
 
 
@@ -285,12 +292,7 @@ def bridge(ctx: click.Context, source_url: str, name: str, consumer: str, batch_
         raise click.BadParameter(str(error), param_hint="--from") from None
     b = Bridge(url, source, consumer, batch_size=batch_size, origin=name)
 
-    def on_signal(signum: int, frame: object) -> None:
-        click.echo(f"postbox: bridge stopping (signal {signum})", err=True)
-        b.stop()
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
+    _stop_on_signals(b.stop, "bridge stopping")
     b.run()
 
 

@@ -221,11 +221,22 @@ def load_policies(data: dict[str, Any] | Path | None) -> PoliciesConfig:
     return config
 
 
+def _secret(env_name: str | None, where: str) -> bytes | None:
+    """An HMAC secret read from the environment variable the file names (never from the file)."""
+    import os
+
+    if env_name is None:
+        return None
+    value = os.environ.get(env_name)
+    if not value:
+        raise ConfigError(f"{where}.hmac_secret_env: environment variable {env_name} is not set")
+    return value.encode()
+
+
 def build_transports(config: PoliciesConfig, names: list[str], own_url: str) -> dict[str, Any]:
     """Transport factories for the named destinations (all configured ones if ``names`` is empty):
     each relay loop calls its factory, so no broker client is shared between threads."""
     import functools
-    import os
     import re
 
     from service.transports.brokers import (
@@ -264,14 +275,7 @@ def build_transports(config: PoliciesConfig, names: list[str], own_url: str) -> 
                 RedisStreamsTransport, dest.url, dest.stream or f"postbox:{name}", dest.maxlen
             )
         else:
-            secret = None
-            if dest.hmac_secret_env is not None:
-                value = os.environ.get(dest.hmac_secret_env)
-                if not value:
-                    raise ConfigError(
-                        f"destinations.{name}.hmac_secret_env: {dest.hmac_secret_env} is not set"
-                    )
-                secret = value.encode()
+            secret = _secret(dest.hmac_secret_env, f"destinations.{name}")
             transports[name] = functools.partial(HttpTransport, dest.url, dest.timeout, secret, dest.headers)
     return transports
 
@@ -318,7 +322,6 @@ def check_retention(config: PoliciesConfig, registry: Registry, default: RetryPo
 
 def configured_handlers(registry: Registry, config: PoliciesConfig, consumer: str) -> Registry:
     """``registry`` plus the SQL-function and HTTP handlers the file declares for ``consumer``."""
-    import os
 
     from service.http_handlers import HttpEndpoint
     from service.sql_handlers import sql_function_handler
@@ -343,14 +346,7 @@ def configured_handlers(registry: Registry, config: PoliciesConfig, consumer: st
                 timeout=h.timeout,
             )
         else:
-            secret = None
-            if h.hmac_secret_env is not None:
-                value = os.environ.get(h.hmac_secret_env)
-                if not value:
-                    raise ConfigError(
-                        f"{where}.hmac_secret_env: environment variable {h.hmac_secret_env} is not set"
-                    )
-                secret = value.encode()
+            secret = _secret(h.hmac_secret_env, where)
             endpoint = HttpEndpoint(
                 h.url, timeout=h.timeout, secret=secret, headers=h.headers, max_concurrency=h.max_concurrency
             )

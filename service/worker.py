@@ -420,9 +420,9 @@ class _Slot:
             conn.commit()
             self.worker._emit("batch_failed", ids=[m.id for m in batch], error=str(error))
         except psycopg.Error as error:
-            # The batch's transaction failed as a whole (a deadlock with a producer committing on
-            # the same keys, a serialization failure): nothing of it committed. Give every message
-            # back untouched; they are claimed again at once.
+            # The batch's transaction failed as a whole (a serialization failure, a constraint
+            # checked at commit): nothing of it committed. Give every message back untouched;
+            # they are claimed again at once.
             log.warning("slot %s: batch rolled back (%s); releasing it", self.index, error)
             self._rollback()
             self._release(batch)
