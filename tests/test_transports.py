@@ -332,3 +332,26 @@ def test_duplicate_publish_carries_the_same_message_id(database, kind):
     got = kind.read()
     assert {m["message_id"] for m in got} == {row.message_id}
     assert len(got) == (1 if kind.name == "nats" else 2)
+
+
+def test_rabbitmq_unroutable_message_is_a_permanent_failure():
+    """A message RabbitMQ cannot route (no queue bound) comes back and fails permanently instead of
+    vanishing; the rest of the batch is published."""
+    from datetime import UTC, datetime
+
+    from service.outcomes import Permanent
+
+    t = RabbitMQTransport(
+        "amqp://guest:guest@127.0.0.1:5672/%2F",
+        f"nobody-{uuid.uuid4().hex[:6]}",
+        exchange="amq.direct",
+        declare_queue=False,
+    )
+    row = OutboxRow(
+        1, "d", f"lost-{uuid.uuid4().hex[:6]}", "k", None, {}, {}, None, None, datetime.now(UTC), 1
+    )
+    try:
+        (result,) = t.publish([row])
+    finally:
+        t.close()
+    assert isinstance(result, Permanent) and "could not route" in str(result)

@@ -1,4 +1,4 @@
-"""Broker transports: RabbitMQ (publisher confirms), NATS JetStream (PubAck, ``Nats-Msg-Id``),
+"""Broker transports: RabbitMQ (transactional batches), NATS JetStream (PubAck, ``Nats-Msg-Id``),
 Redis Streams (XADD) and HTTP webhooks. Each sends the row's ``message_id`` so receivers can
 deduplicate, and its key, type, correlation and causation ids.
 
@@ -45,9 +45,15 @@ def envelope_headers(row: OutboxRow) -> dict[str, str]:
 
 
 class RabbitMQTransport:
-    """Publishes persistent messages with publisher confirms; ``message_id`` and ``correlation_id``
-    are AMQP properties. Routing: ``exchange`` ("" is the default exchange) and ``routing_key``
-    (default: the destination's name, a durable queue declared on first use)."""
+    """Publishes persistent messages; ``message_id`` and ``correlation_id`` are AMQP properties.
+    Routing: ``exchange`` ("" is the default exchange) and ``routing_key`` (default: the
+    destination's name, a durable queue declared on first use).
+
+    A batch is published in one AMQP transaction: ``tx.commit-ok`` means the broker took every
+    message of it (persisted, for durable queues), one round trip per batch instead of one
+    confirm per message. Messages the broker cannot route come back (``mandatory``) and fail
+    permanently; a commit that fails leaves the whole batch unpublished (transient).
+    """
 
     def __init__(self, url: str, routing_key: str, exchange: str = "", declare_queue: bool = True) -> None:
         self.url = url
@@ -56,6 +62,7 @@ class RabbitMQTransport:
         self.declare_queue = declare_queue
         self._conn: Any = None
         self._channel: Any = None
+        self._returned: set[str] = set()
 
     def _ensure(self) -> Any:
         import pika
@@ -67,19 +74,22 @@ class RabbitMQTransport:
             params.blocked_connection_timeout = 10
             self._conn = pika.BlockingConnection(params)
             self._channel = self._conn.channel()
-            self._channel.confirm_delivery()
+            self._channel.add_on_return_callback(
+                lambda ch, method, props, body: self._returned.add(props.message_id)
+            )
             if self.declare_queue and self.exchange == "":
                 self._channel.queue_declare(self.routing_key, durable=True)
+            self._channel.tx_select()
         return self._channel
 
     def publish(self, rows: Sequence[OutboxRow]) -> list[BaseException | None]:
         import pika
         import pika.exceptions as px
 
-        results: list[BaseException | None] = []
-        for i, row in enumerate(rows):
-            try:
-                channel = self._ensure()
+        try:
+            channel = self._ensure()
+            self._returned.clear()
+            for row in rows:
                 channel.basic_publish(
                     self.exchange,
                     self.routing_key,
@@ -95,17 +105,18 @@ class RabbitMQTransport:
                     ),
                     mandatory=True,
                 )
-                results.append(None)
-            except px.UnroutableError as error:
-                results.append(Permanent(f"RabbitMQ could not route to {self.routing_key!r}: {error}"))
-            except px.NackError as error:
-                results.append(Transient(f"RabbitMQ refused the message (nack): {error}"))
-            except (px.AMQPError, OSError) as error:
-                self.close()
-                failure = Transient(f"RabbitMQ unavailable: {type(error).__name__}: {error}")
-                results.extend([failure] * (len(rows) - i))
-                break
-        return results
+            channel.tx_commit()
+            # basic.return frames come before commit-ok; dispatch them to the return callback.
+            self._conn.process_data_events(time_limit=0)
+        except (px.AMQPError, OSError) as error:
+            self.close()
+            return [Transient(f"RabbitMQ unavailable: {type(error).__name__}: {error}")] * len(rows)
+        return [
+            Permanent(f"RabbitMQ could not route it to {self.routing_key!r}")
+            if r.message_id in self._returned
+            else None
+            for r in rows
+        ]
 
     def close(self) -> None:
         with contextlib.suppress(Exception):  # closing a broken connection
