@@ -14,13 +14,11 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import psycopg
 
 import service
-
-REPO = Path(__file__).resolve().parent.parent
+from tests.helpers import REPO
 
 
 @dataclass

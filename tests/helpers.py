@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import TypeVar
 
 import psycopg
 
 T = TypeVar("T")
+
+REPO = Path(__file__).resolve().parent.parent
 
 EFFECTS_DDL = """
 CREATE TABLE IF NOT EXISTS effects (
@@ -70,3 +76,15 @@ FAST_WORKER: dict[str, float] = {
     "stale_after": 2.0,
     "grace_period": 5.0,
 }
+
+
+def spawn_postbox(*args: str, stderr: int = subprocess.DEVNULL) -> subprocess.Popen[bytes]:
+    """Start ``python -m service ARGS`` (the ``postbox`` command) from the repository, output
+    discarded unless ``stderr=subprocess.PIPE``."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "service", *args],
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        stdout=subprocess.DEVNULL,
+        stderr=stderr,
+    )

@@ -3,11 +3,8 @@ relay → broker, on the real brokers of this machine."""
 
 from __future__ import annotations
 
-import os
 import random
 import signal
-import subprocess
-import sys
 import threading
 import uuid
 from datetime import UTC, datetime
@@ -20,8 +17,7 @@ from service.outcomes import Transient
 from service.transports import OutboxRow
 from service.transports.brokers import NatsTransport, RabbitMQTransport, RedisStreamsTransport
 from service.worker import Worker, WorkerSettings
-from tests.checker import REPO
-from tests.helpers import FAST_WORKER, eventually, scalar
+from tests.helpers import FAST_WORKER, eventually, scalar, spawn_postbox
 from tests.test_transports import arrived_by_key
 
 
@@ -145,10 +141,7 @@ def test_full_loop_with_failures_and_a_killed_relay(database, tmp_path):
         f'[destinations.events]\nkind = "rabbitmq"\nrouting_key = "{outq}"\n'
         'retry = { strategy = "fixed", base_delay = 0.05 }\n'
     )
-    args = [
-        sys.executable,
-        "-m",
-        "service",
+    args = (
         "--config",
         str(config),
         "--database-url",
@@ -164,9 +157,8 @@ def test_full_loop_with_failures_and_a_killed_relay(database, tmp_path):
         "1",
         "--lease",
         "2",
-    ]
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    relay = subprocess.Popen(args, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    )
+    relay = spawn_postbox(*args)
     source_rows = rows(300, 12)
     try:
         t = RabbitMQTransport("amqp://guest:guest@127.0.0.1:5672/%2F", inq)
@@ -175,9 +167,7 @@ def test_full_loop_with_failures_and_a_killed_relay(database, tmp_path):
         eventually(lambda: scalar(url, "SELECT count(*) FROM business") > 100, timeout=60)
         relay.send_signal(signal.SIGKILL)
         relay.wait()
-        relay = subprocess.Popen(
-            args, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-        )
+        relay = spawn_postbox(*args)
         eventually(
             lambda: (
                 scalar(url, "SELECT count(*) FROM business") == 300

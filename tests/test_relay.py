@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import os
 import random
 import signal
 import subprocess
-import sys
 import threading
 
 import psycopg
@@ -15,8 +13,7 @@ import service
 from service.policy import Backoff, RetryPolicy
 from service.relay import Relay, RelaySettings
 from service.transports.postgres import PostgresTransport
-from tests.checker import REPO
-from tests.helpers import eventually, scalar
+from tests.helpers import eventually, scalar, spawn_postbox
 
 FAST = {"poll_interval": 0.05, "heartbeat_interval": 0.3, "stale_after": 1.5, "grace_period": 5.0}
 QUICK = RetryPolicy(strategy=Backoff.FIXED, base_delay=0.05, max_attempts=1000, max_total_seconds=None)
@@ -91,31 +88,20 @@ def test_two_relay_processes_never_reorder_a_key(database, tmp_path):
         '[destinations.next]\nkind = "postgres"\nconsumer = "next"\n'
         'retry = { strategy = "fixed", base_delay = 0.05 }\n'
     )
-    procs = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "service",
-                "--config",
-                str(config),
-                "--database-url",
-                url,
-                "relay",
-                "--batch-size",
-                "7",
-                "--poll-interval",
-                "0.05",
-                "--concurrency",
-                "2",
-            ],
-            cwd=REPO,
-            env={**os.environ, "PYTHONPATH": str(REPO)},
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-        )
-        for _ in range(2)
-    ]
+    relay_args = (
+        "--config",
+        str(config),
+        "--database-url",
+        url,
+        "relay",
+        "--batch-size",
+        "7",
+        "--poll-interval",
+        "0.05",
+        "--concurrency",
+        "2",
+    )
+    procs = [spawn_postbox(*relay_args, stderr=subprocess.PIPE) for _ in range(2)]
     rows = [(f"e{i}", f"k{random.Random(i).randrange(15)}") for i in range(600)]
     try:
         writers = [threading.Thread(target=publish, args=(url, rows[j::3], 5)) for j in range(3)]
@@ -251,10 +237,7 @@ def test_relay_killed_with_kill_9_loses_nothing(database, tmp_path):
         '[destinations.next]\nkind = "postgres"\nconsumer = "next"\n'
         'retry = { strategy = "fixed", base_delay = 0.05 }\n'
     )
-    args = [
-        sys.executable,
-        "-m",
-        "service",
+    args = (
         "--config",
         str(config),
         "--database-url",
@@ -270,12 +253,11 @@ def test_relay_killed_with_kill_9_loses_nothing(database, tmp_path):
         "1",
         "--lease",
         "2",
-    ]
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    )
     rows = [(f"e{i}", f"k{i % 25}") for i in range(1500)]
     publish(url, rows, per_tx=50)
     kills = 0
-    p = subprocess.Popen(args, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    p = spawn_postbox(*args)
     try:
         for _ in range(3):
             eventually(
@@ -287,9 +269,7 @@ def test_relay_killed_with_kill_9_loses_nothing(database, tmp_path):
             p.send_signal(signal.SIGKILL)
             p.wait()
             kills += 1
-            p = subprocess.Popen(
-                args, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-            )
+            p = spawn_postbox(*args)
         eventually(lambda: scalar(url, "SELECT count(*) = 0 FROM postbox.outbox"), timeout=90)
     finally:
         p.send_signal(signal.SIGTERM)

@@ -2,17 +2,14 @@
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
-import sys
 
 import psycopg
 import pytest
 
 import service
-from tests.checker import REPO
-from tests.helpers import EFFECTS_DDL, eventually, scalar
+from tests.helpers import EFFECTS_DDL, eventually, scalar, spawn_postbox
 
 
 @pytest.fixture
@@ -23,27 +20,19 @@ def db(database):
 
 
 def spawn(url: str, *args: str) -> subprocess.Popen[bytes]:
-    return subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "service",
-            "--database-url",
-            url,
-            "worker",
-            "--consumer",
-            "basic",
-            "--app",
-            "tests.apps.basic:registry",
-            "--heartbeat-interval",
-            "0.3",
-            "--stale-after",
-            "1.5",
-            *args,
-        ],
-        cwd=REPO,
-        env={**os.environ, "PYTHONPATH": str(REPO)},
-        stdout=subprocess.PIPE,
+    return spawn_postbox(
+        "--database-url",
+        url,
+        "worker",
+        "--consumer",
+        "basic",
+        "--app",
+        "tests.apps.basic:registry",
+        "--heartbeat-interval",
+        "0.3",
+        "--stale-after",
+        "1.5",
+        *args,
         stderr=subprocess.PIPE,
     )
 
