@@ -50,31 +50,41 @@ COMMENT ON FUNCTION postbox.outbox_claim_v1(text, text, integer, interval, times
     IS 'Relay: claim due heads of a destination (SKIP LOCKED), counting an attempt on each.';
 
 -- Mark rows published (confirmed by the destination): they leave the outbox and the next row of
--- each key becomes its head. Returns the ids whose claim is no longer ours (nothing done for them).
+-- each key becomes its head (set-based: a few statements per batch, not per row). Keys whose lock
+-- is taken right now get a repair instead. Returns the ids whose claim is no longer ours.
 CREATE OR REPLACE FUNCTION postbox.outbox_complete_v1(p_ids bigint[], p_attempts integer[], p_now timestamptz)
 RETURNS bigint[]
 LANGUAGE plpgsql VOLATILE AS $$
 DECLARE
-    r       record;
-    v_lost  bigint[] := '{}';
+    v_lost      bigint[];
+    v_notify    text[];
 BEGIN
-    FOR r IN
-        SELECT u.id, u.attempt, o.destination, o.key
-          FROM unnest(p_ids, p_attempts) AS u(id, attempt)
-          LEFT JOIN postbox.outbox o ON o.id = u.id
-         ORDER BY hashtext(o.destination || '/' || o.key), u.id
-    LOOP
-        IF r.destination IS NULL THEN
-            v_lost := v_lost || r.id;
-            CONTINUE;
-        END IF;
-        DELETE FROM postbox.outbox WHERE id = r.id AND attempt = r.attempt AND state = 'running';
-        IF NOT FOUND THEN
-            v_lost := v_lost || r.id;
-            CONTINUE;
-        END IF;
-        PERFORM postbox.outbox_next_v1(r.destination, r.key, p_now);
-    END LOOP;
+    WITH del AS (
+        DELETE FROM postbox.outbox o
+         USING unnest(p_ids, p_attempts) AS u(id, attempt)
+         WHERE o.id = u.id AND o.attempt = u.attempt AND o.state = 'running'
+        RETURNING o.id, o.destination, o.key),
+    locked AS MATERIALIZED (
+        SELECT k.destination, k.key, postbox.try_lock_key_v1(2, k.destination, k.key) AS ok
+          FROM (SELECT DISTINCT destination, key FROM del) k),
+    promoted AS (
+        UPDATE postbox.outbox o SET state = 'ready', available_at = p_now
+          FROM (SELECT DISTINCT ON (p.destination, p.key) p.id
+                  FROM locked k
+                  JOIN postbox.outbox p ON p.destination = k.destination AND p.key = k.key AND p.state = 'pending'
+                 WHERE k.ok
+                 ORDER BY p.destination, p.key, p.position, p.id) n
+         WHERE o.id = n.id
+        RETURNING o.destination),
+    repairs AS (
+        INSERT INTO postbox.key_repairs (origin, queue, key)
+        SELECT 'outbox', destination, key FROM locked WHERE NOT ok)
+    SELECT coalesce((SELECT array_agg(u.id) FROM unnest(p_ids) AS u(id) WHERE u.id NOT IN (SELECT id FROM del)), '{}'),
+           (SELECT array_agg(DISTINCT destination) FROM promoted)
+      INTO v_lost, v_notify;
+    IF v_notify IS NOT NULL AND postbox.notify_enabled_v1() THEN
+        PERFORM pg_notify('postbox_outbox', d) FROM unnest(v_notify) AS d;
+    END IF;
     RETURN v_lost;
 END
 $$;
