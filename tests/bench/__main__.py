@@ -17,7 +17,6 @@ import shutil
 import signal
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 import uuid
@@ -33,6 +32,7 @@ from psycopg.conninfo import conninfo_to_dict
 import service
 from service import migrate
 from tests.conftest import _conninfo_url
+from tests.helpers import spawn_postbox
 
 REPO = Path(__file__).resolve().parents[2]
 RESULTS = REPO / "bench-results"
@@ -177,29 +177,20 @@ class Bench:
         url = self.fresh()
         self._preload(url, n, keys)
         procs = [
-            subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "service",
-                    "--database-url",
-                    url,
-                    "worker",
-                    "--consumer",
-                    "bench",
-                    "--app",
-                    "tests.bench.app:registry",
-                    "--concurrency",
-                    str(concurrency),
-                    "--batch-size",
-                    str(batch),
-                    "--poll-interval",
-                    "0.05",
-                ],
-                cwd=REPO,
-                env={**os.environ, "PYTHONPATH": str(REPO)},
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.PIPE,
+            spawn_postbox(
+                "--database-url",
+                url,
+                "worker",
+                "--consumer",
+                "bench",
+                "--app",
+                "tests.bench.app:registry",
+                "--concurrency",
+                str(concurrency),
+                "--batch-size",
+                str(batch),
+                "--poll-interval",
+                "0.05",
             )
             for _ in range(processes)
         ]
@@ -256,27 +247,18 @@ class Bench:
                 f.write('[destinations.out]\nkind = "postgres"\nconsumer = "relayed"\n')
             else:
                 f.write(f'[destinations.out]\nkind = "rabbitmq"\nrouting_key = "{queue}"\n')
-        p = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "service",
-                "--config",
-                f.name,
-                "--database-url",
-                url,
-                "relay",
-                "--batch-size",
-                "200",
-                "--concurrency",
-                "2",
-                "--poll-interval",
-                "0.05",
-            ],
-            cwd=REPO,
-            env={**os.environ, "PYTHONPATH": str(REPO)},
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
+        p = spawn_postbox(
+            "--config",
+            f.name,
+            "--database-url",
+            url,
+            "relay",
+            "--batch-size",
+            "200",
+            "--concurrency",
+            "2",
+            "--poll-interval",
+            "0.05",
         )
         peak = 0.0
         try:
@@ -352,28 +334,19 @@ class Bench:
         """Receive-to-handler-start latency at a steady rate, in ms (p50, p99, max)."""
         url = self.fresh()
         args = ["--listen" if listen else "--no-listen", "--poll-interval", "0.05" if listen else "0.01"]
-        p = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "service",
-                "--database-url",
-                url,
-                "worker",
-                "--consumer",
-                "bench",
-                "--app",
-                "tests.bench.app:registry",
-                "--concurrency",
-                "2",
-                "--batch-size",
-                "10",
-                *args,
-            ],
-            cwd=REPO,
-            env={**os.environ, "PYTHONPATH": str(REPO)},
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
+        p = spawn_postbox(
+            "--database-url",
+            url,
+            "worker",
+            "--consumer",
+            "bench",
+            "--app",
+            "tests.bench.app:registry",
+            "--concurrency",
+            "2",
+            "--batch-size",
+            "10",
+            *args,
         )
         try:
             with psycopg.connect(url) as c:
