@@ -1,0 +1,443 @@
+"""docker-compose.yml and the Dockerfile, checked without Docker (it cannot run on our machines).
+
+The compose file is parsed and every service is checked for what Docker would need: an image or a
+build context with its Dockerfile, health checks where others wait for health, dependencies on
+services that exist with valid conditions, mounted files that exist, ``POSTBOX_…`` variables that
+are real settings, and ``postbox …`` commands that click accepts (unknown commands or options,
+missing required options and bad values fail). Then the worker command lines of the compose file
+are run, with the same config file, against the test database and seen processing messages.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import re
+import shlex
+import signal
+import subprocess
+import tomllib
+from pathlib import Path, PurePosixPath
+from typing import Any
+from urllib.parse import urlsplit
+
+import click
+import psycopg
+import pytest
+import yaml
+
+from service.cli import cli
+from service.config import build_transports, load_policies
+from service.handlers import Registry
+from service.producer import receive
+from service.settings import Settings, load_settings
+from tests.helpers import REPO, eventually, spawn_postbox
+
+COMPOSE_FILE = REPO / "docker-compose.yml"
+DEPENDENCY_CONDITIONS = {"service_started", "service_healthy", "service_completed_successfully"}
+PULL_POLICIES = {"always", "never", "missing", "if_not_present", "build", "daily", "weekly"}
+
+
+def _compose() -> dict[str, Any]:
+    data = yaml.safe_load(COMPOSE_FILE.read_text(encoding="utf-8"))
+    assert isinstance(data, dict) and isinstance(data.get("services"), dict), "no services: section"
+    return data
+
+
+COMPOSE = _compose()
+SERVICES: dict[str, dict[str, Any]] = COMPOSE["services"]
+
+
+def _command(service: dict[str, Any]) -> list[str]:
+    command = service.get("command", [])
+    return shlex.split(command) if isinstance(command, str) else [str(a) for a in command]
+
+
+def _build(service: dict[str, Any]) -> tuple[Path, Path] | None:
+    """The build context and Dockerfile of a service, or None if it uses a ready-made image."""
+    build = service.get("build")
+    if build is None:
+        return None
+    if isinstance(build, str):
+        build = {"context": build}
+    context = (COMPOSE_FILE.parent / build.get("context", ".")).resolve()
+    return context, context / build.get("dockerfile", "Dockerfile")
+
+
+def _is_postbox(service: dict[str, Any]) -> bool:
+    """Runs the image built from our Dockerfile (whose entrypoint is ``postbox``)."""
+    built = _build(service)
+    return built is not None and built[1] == REPO / "Dockerfile"
+
+
+POSTBOX_SERVICES = sorted(name for name, s in SERVICES.items() if _is_postbox(s))
+
+
+def _depends_on(service: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    deps = service.get("depends_on", {})
+    if isinstance(deps, list):  # short form: service_started
+        return {name: {"condition": "service_started"} for name in deps}
+    assert isinstance(deps, dict)
+    return deps
+
+
+def _bind_mounts(service: dict[str, Any]) -> list[tuple[Path, PurePosixPath]]:
+    """(host path, container path) of every bind mount; named volumes are skipped."""
+    mounts = []
+    for volume in service.get("volumes", []):
+        if isinstance(volume, dict):
+            if volume.get("type") != "bind":
+                continue
+            source, target = volume["source"], volume["target"]
+        else:
+            source, target = str(volume).split(":")[:2]
+        if source.startswith(("./", "../", "/")):
+            mounts.append(((COMPOSE_FILE.parent / source).resolve(), PurePosixPath(target)))
+    return mounts
+
+
+def _host_path(service: dict[str, Any], container_path: str) -> Path | None:
+    """Where a path inside the container comes from on the host, through the bind mounts."""
+    wanted = PurePosixPath(container_path)
+    for host, target in _bind_mounts(service):
+        if wanted == target:
+            return host
+        if target in wanted.parents:
+            return host / wanted.relative_to(target)
+    return None
+
+
+def _environment(service: dict[str, Any]) -> dict[str, str]:
+    env = service.get("environment", {})
+    if isinstance(env, list):
+        env = dict(item.split("=", 1) for item in env)
+    return {str(k): str(v) for k, v in env.items()}
+
+
+def _parse_postbox(args: list[str]) -> click.Context:
+    """Parse ``postbox ARGS`` with click as the real command would, without running it: the group's
+    options, then the subcommand's (unknown or missing options and bad values raise UsageError)."""
+    group_ctx = cli.make_context("postbox", list(args))
+    # The group stops at its first non-option: what is left is the subcommand and its arguments.
+    sub = args[len(args) - len(group_ctx.args) - 1 :]
+    assert sub, f"no subcommand in postbox {shlex.join(args)}"
+    name, command, rest = cli.resolve_command(group_ctx, sub)
+    assert command is not None and name is not None
+    return command.make_context(name, rest, parent=group_ctx)
+
+
+# --- the compose file -------------------------------------------------------------------------
+
+
+def test_the_compose_file_has_every_part_of_the_deployment():
+    """PostgreSQL 15, RabbitMQ, a one-shot migration, worker, relay and bridge are all there."""
+    images = {s.get("image", "") for s in SERVICES.values() if not _is_postbox(s)}
+    assert any(re.fullmatch(r"postgres:15(\D.*)?", i) for i in images), images
+    assert any(i.startswith("rabbitmq:") for i in images), images
+    subcommands = {_command(SERVICES[name])[0] for name in POSTBOX_SERVICES}
+    assert {"migrate", "worker", "relay", "bridge"} <= subcommands
+
+
+@pytest.mark.parametrize("name", sorted(SERVICES))
+def test_every_service_has_an_image_or_a_build_whose_files_exist(name):
+    """An image to pull, or a build context that exists with its Dockerfile (and a known pull policy)."""
+    service = SERVICES[name]
+    assert service.get("image") or service.get("build"), f"{name}: neither image nor build"
+    built = _build(service)
+    if built is not None:
+        context, dockerfile = built
+        assert context.is_dir(), f"{name}: build context {context} does not exist"
+        assert dockerfile.is_file(), f"{name}: {dockerfile} does not exist"
+    if "pull_policy" in service:
+        assert service["pull_policy"] in PULL_POLICIES
+
+
+@pytest.mark.parametrize("name", sorted(SERVICES))
+def test_dependencies_exist_with_valid_conditions(name):
+    """depends_on names services of the file, with a valid condition; waiting for health needs a
+    health check; waiting for completion needs a one-shot service (no restart policy)."""
+    for target, spec in _depends_on(SERVICES[name]).items():
+        assert target in SERVICES, f"{name} depends on {target}, which is not a service"
+        assert target != name
+        condition = spec.get("condition", "service_started")
+        assert condition in DEPENDENCY_CONDITIONS, f"{name} -> {target}: condition {condition!r}"
+        if condition == "service_healthy":
+            test = SERVICES[target].get("healthcheck", {}).get("test")
+            assert test, f"{name} waits for {target} to be healthy, but {target} has no healthcheck"
+            if isinstance(test, list):
+                assert test[0] in ("CMD", "CMD-SHELL") and len(test) > 1, test
+        if condition == "service_completed_successfully":
+            assert SERVICES[target].get("restart", "no") == "no", (
+                f"{target} is a one-shot: restart must be no"
+            )
+
+
+def test_the_dependency_graph_has_no_cycle_and_everything_waits_for_the_migration():
+    """Services start in an order (no cycle), and every long-running postbox process waits for
+    the one-shot migration to complete, which waits for PostgreSQL to be healthy."""
+    done: set[str] = set()
+
+    def visit(name: str, path: tuple[str, ...]) -> None:
+        assert name not in path, f"dependency cycle: {' -> '.join((*path, name))}"
+        if name not in done:
+            for target in _depends_on(SERVICES[name]):
+                visit(target, (*path, name))
+            done.add(name)
+
+    for name in SERVICES:
+        visit(name, ())
+    migrations = [n for n in POSTBOX_SERVICES if _command(SERVICES[n])[0] == "migrate"]
+    assert len(migrations) == 1
+    (migration,) = migrations
+    database_host = urlsplit(_environment(SERVICES[migration])["POSTBOX_DATABASE_URL"]).hostname
+    assert _depends_on(SERVICES[migration]) == {database_host: {"condition": "service_healthy"}}
+    for name in POSTBOX_SERVICES:
+        if name != migration:
+            condition = _depends_on(SERVICES[name]).get(migration, {}).get("condition")
+            assert condition == "service_completed_successfully", name
+
+
+@pytest.mark.parametrize("name", sorted(SERVICES))
+def test_mounted_files_exist_and_named_volumes_are_declared(name):
+    """Every bind-mounted host path exists; every named volume is declared at the top level."""
+    service = SERVICES[name]
+    for host, _ in _bind_mounts(service):
+        assert host.exists(), f"{name} mounts {host}, which does not exist"
+    declared = set(COMPOSE.get("volumes") or {})
+    for volume in service.get("volumes", []):
+        source = volume.get("source") if isinstance(volume, dict) else str(volume).split(":")[0]
+        if source and not source.startswith(("./", "../", "/")):
+            assert source in declared, f"{name} uses volume {source!r}, not declared under volumes:"
+
+
+@pytest.mark.parametrize("name", POSTBOX_SERVICES)
+def test_postbox_settings_come_from_real_variables_and_files(name):
+    """Every POSTBOX_ variable is a setting, the database host is a service of the file, and the
+    config file named by POSTBOX_CONFIG is mounted into the container and valid."""
+    env = _environment(SERVICES[name])
+    fields = {f"POSTBOX_{field.upper()}" for field in Settings.model_fields}
+    for variable in env:
+        if variable.startswith("POSTBOX_"):
+            assert variable in fields, f"{name}: {variable} is not a Postbox setting"
+    assert urlsplit(env["POSTBOX_DATABASE_URL"]).hostname in SERVICES
+    config = _host_path(SERVICES[name], env["POSTBOX_CONFIG"])
+    assert config is not None and config.is_file(), f"{name}: {env['POSTBOX_CONFIG']} is not mounted"
+    load_settings(config, database_url=env["POSTBOX_DATABASE_URL"])
+    load_policies(config)
+
+
+@pytest.mark.parametrize("name", POSTBOX_SERVICES)
+def test_every_postbox_command_is_a_real_command(name):
+    """The service's command parses as a ``postbox`` command with its options and values; what it
+    names (handler app and its consumer, relay destinations, broker host) exists."""
+    service = SERVICES[name]
+    args = _command(service)
+    ctx = _parse_postbox(args)
+    env = _environment(service)
+    config = _host_path(service, env["POSTBOX_CONFIG"])
+    assert config is not None
+    policies = load_policies(config)
+    if ctx.info_name == "worker":
+        module_name, _, attr = ctx.params["app"].partition(":")
+        registry = getattr(importlib.import_module(module_name), attr)
+        assert isinstance(registry, Registry)
+        assert ctx.params["consumer"] in registry.consumers()
+    if ctx.info_name == "relay":
+        destinations = list(ctx.params["destinations"])
+        transports = build_transports(policies, destinations, env["POSTBOX_DATABASE_URL"])
+        for destination in transports:
+            url = getattr(policies.destinations[destination], "url", None)
+            if url and urlsplit(url).hostname not in (None, "127.0.0.1", "localhost"):
+                assert urlsplit(url).hostname in _depends_on(service), f"relay needs {url}"
+    if ctx.info_name == "bridge":
+        assert urlsplit(ctx.params["source_url"]).hostname in _depends_on(service)
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["wrker", "--consumer", "orders"],
+        ["worker", "--consumer", "orders", "--no-such-option", "1"],
+        ["worker", "--app", "service.examples.orders:registry"],
+        ["worker", "--consumer", "orders", "--concurrency", "zero"],
+        ["relay", "--destinaton", "shipping"],
+        ["bridge", "--from", "amqp://rabbitmq", "--name", "shipping"],
+    ],
+)
+def test_the_command_check_refuses_what_postbox_would_refuse(args):
+    """The check itself is not lenient: a misspelt command or option, a missing required option
+    or a bad value is a usage error."""
+    with pytest.raises(click.UsageError):
+        _parse_postbox(args)
+
+
+# --- the Dockerfile ---------------------------------------------------------------------------
+
+
+def _dockerfile() -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) of the Dockerfile, continuation lines joined, comments dropped."""
+    text = re.sub(r"\\\n", " ", (REPO / "Dockerfile").read_text(encoding="utf-8"))
+    out = []
+    for line in text.splitlines():
+        line = line.strip()
+        if line and not line.startswith("#"):
+            instruction, _, rest = line.partition(" ")
+            out.append((instruction.upper(), rest.strip()))
+    return out
+
+
+def _dockerignore() -> list[str]:
+    lines = (REPO / ".dockerignore").read_text(encoding="utf-8").splitlines()
+    return [line.strip() for line in lines if line.strip() and not line.startswith("#")]
+
+
+def _copied() -> list[str]:
+    sources = []
+    for instruction, rest in _dockerfile():
+        if instruction in ("COPY", "ADD"):
+            parts = [p for p in shlex.split(rest) if not p.startswith("--")]
+            sources += parts[:-1]
+    return sources
+
+
+def test_dockerfile_builds_a_non_root_python_311_image_of_the_postbox_command():
+    """python:3.11-slim, installs the package, runs as a user other than root, and its
+    ENTRYPOINT is the ``postbox`` script that pyproject.toml declares."""
+    instructions = _dockerfile()
+    assert instructions[0] == ("FROM", "python:3.11-slim")
+    assert any(i == "RUN" and re.search(r"pip install (\S+ )*\.(\s|$)", r) for i, r in instructions)
+    users = [r for i, r in instructions if i == "USER"]
+    assert users and users[-1].split(":")[0] not in ("root", "0")
+    (entrypoint,) = [r for i, r in instructions if i == "ENTRYPOINT"]
+    scripts = tomllib.loads((REPO / "pyproject.toml").read_text(encoding="utf-8"))["project"]["scripts"]
+    assert json.loads(entrypoint) == ["postbox"] and "postbox" in scripts
+
+
+def test_dockerfile_copies_what_the_package_build_needs_and_dockerignore_keeps_it():
+    """Every COPY source exists in the build context and is not excluded by .dockerignore, and
+    the files the wheel is built from (pyproject, readme, packages, force-included data) are copied."""
+    ignored = _dockerignore()
+    sources = _copied()
+    for source in sources:
+        assert (REPO / source).exists(), f"COPY {source}: not in the build context"
+        top = source.strip("./").split("/")[0]
+        assert top not in ignored, f"COPY {source}, but .dockerignore excludes it"
+    project = tomllib.loads((REPO / "pyproject.toml").read_text(encoding="utf-8"))
+    hatch = project["tool"]["hatch"]["build"]["targets"]["wheel"]
+    needed = {"pyproject.toml", project["project"]["readme"], *hatch["packages"], *hatch["force-include"]}
+    assert needed <= {s.rstrip("/") for s in sources}, needed - set(sources)
+    assert ".venv" in ignored and ".git" in ignored
+
+
+# --- the compose command lines, run -----------------------------------------------------------
+
+
+def _stop(process: subprocess.Popen[bytes]) -> str:
+    """SIGTERM, as ``docker compose stop`` sends; the process must exit within the grace period."""
+    process.send_signal(signal.SIGTERM)
+    try:
+        _, stderr = process.communicate(timeout=40)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.communicate()
+        raise
+    return stderr.decode(errors="replace")
+
+
+@pytest.fixture
+def compose_database(database) -> Any:
+    """The test database with the example's business tables, created by the same init scripts the
+    compose PostgreSQL runs at its first start."""
+    scripts = sorted(_host_path(SERVICES["postgres"], "/docker-entrypoint-initdb.d").glob("*.sql"))
+    assert scripts
+    with database.connect(autocommit=True) as c:
+        for script in scripts:
+            c.execute(script.read_text(encoding="utf-8"))
+    return database
+
+
+def _run_compose_service(
+    name: str, database_url: str, monkeypatch: pytest.MonkeyPatch
+) -> subprocess.Popen[bytes]:
+    """Start a compose service's exact command line with its environment, the database URL pointed
+    at the test database and container paths mapped back to the mounted host files."""
+    service = SERVICES[name]
+    for variable, value in _environment(service).items():
+        host = _host_path(service, value) if value.startswith("/") else None
+        monkeypatch.setenv(variable, str(host) if host else value)
+    monkeypatch.setenv("POSTBOX_DATABASE_URL", database_url)
+    return spawn_postbox(*_command(service), stderr=subprocess.PIPE)
+
+
+def test_the_orders_worker_of_the_compose_file_processes_an_order(compose_database, monkeypatch):
+    """worker-orders, as compose starts it, records a payment and writes the shipment request to
+    the outbox in the same transaction; a malformed payment is dead-lettered, holding its order only."""
+    url = compose_database.url
+    with psycopg.connect(url) as c:
+        receive(
+            c,
+            consumer="orders",
+            message_id="o1-paid",
+            key="order-1",
+            type="order.paid",
+            payload={"amount": 42},
+        )
+        receive(c, consumer="orders", message_id="o2-paid", key="order-2", type="order.paid", payload={})
+        receive(c, consumer="orders", message_id="o3-new", key="order-3", type="order.created", payload={})
+        c.commit()
+    worker = _run_compose_service("worker-orders", url, monkeypatch)
+    try:
+
+        def settled() -> Any:
+            assert worker.poll() is None, worker.stderr.read().decode() if worker.stderr else ""
+            with psycopg.connect(url, autocommit=True) as c:
+                orders = dict(c.execute("SELECT order_id, state FROM example_orders").fetchall())
+                outbox = c.execute(
+                    "SELECT destination, message_id, key, type, payload FROM postbox.outbox"
+                ).fetchall()
+                dead = c.execute("SELECT message_id FROM postbox.dead_letters").fetchall()
+            return (orders, outbox, dead) if len(orders) == 2 and dead else None
+
+        orders, outbox, dead = eventually(settled, timeout=60, what="worker-orders processed the orders")
+    finally:
+        _stop(worker)
+    assert orders == {"order-1": "paid", "order-3": "created"}
+    assert outbox == [
+        (
+            "shipping",
+            "o1-paid:shipment",
+            "order-1",
+            "shipment.requested",
+            {"order_id": "order-1", "amount": 42},
+        )
+    ]
+    assert dead == [("o2-paid",)]
+    assert worker.returncode == 0
+
+
+def test_the_shipping_worker_of_the_compose_file_records_a_shipment(compose_database, monkeypatch):
+    """worker-shipping, as compose starts it, records the shipment the bridge delivered."""
+    url = compose_database.url
+    with psycopg.connect(url) as c:
+        receive(
+            c,
+            consumer="shipping",
+            message_id="o1-paid:shipment",
+            key="order-1",
+            type="shipment.requested",
+            payload={"order_id": "order-1", "amount": 42},
+        )
+        c.commit()
+    worker = _run_compose_service("worker-shipping", url, monkeypatch)
+    try:
+
+        def shipped() -> Any:
+            assert worker.poll() is None, worker.stderr.read().decode() if worker.stderr else ""
+            with psycopg.connect(url, autocommit=True) as c:
+                return c.execute("SELECT order_id, request_id FROM example_shipments").fetchall()
+
+        shipments = eventually(shipped, timeout=60, what="worker-shipping recorded the shipment")
+    finally:
+        _stop(worker)
+    assert shipments == [("order-1", "o1-paid:shipment")]
+    assert worker.returncode == 0
