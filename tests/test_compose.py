@@ -17,6 +17,7 @@ import shlex
 import signal
 import subprocess
 import tomllib
+import uuid
 from pathlib import Path, PurePosixPath
 from typing import Any
 from urllib.parse import urlsplit
@@ -31,7 +32,7 @@ from service.config import build_transports, load_policies
 from service.handlers import Registry
 from service.producer import receive
 from service.settings import Settings, load_settings
-from tests.helpers import REPO, eventually, spawn_postbox
+from tests.helpers import REPO, eventually, scalar, spawn_postbox
 
 COMPOSE_FILE = REPO / "docker-compose.yml"
 DEPENDENCY_CONDITIONS = {"service_started", "service_healthy", "service_completed_successfully"}
@@ -357,16 +358,30 @@ def compose_database(database) -> Any:
 
 
 def _run_compose_service(
-    name: str, database_url: str, monkeypatch: pytest.MonkeyPatch
+    name: str,
+    database_url: str,
+    monkeypatch: pytest.MonkeyPatch,
+    config: Path | None = None,
+    replace: dict[str, str] | None = None,
+    options: dict[str, str] | None = None,
 ) -> subprocess.Popen[bytes]:
     """Start a compose service's exact command line with its environment, the database URL pointed
-    at the test database and container paths mapped back to the mounted host files."""
+    at the test database and container paths mapped back to the mounted host files (or to
+    ``config``); ``replace`` substitutes text in the arguments (broker hosts), ``options`` gives
+    options other values (queue names)."""
     service = SERVICES[name]
     for variable, value in _environment(service).items():
         host = _host_path(service, value) if value.startswith("/") else None
         monkeypatch.setenv(variable, str(host) if host else value)
     monkeypatch.setenv("POSTBOX_DATABASE_URL", database_url)
-    return spawn_postbox(*_command(service), stderr=subprocess.PIPE)
+    if config is not None:
+        monkeypatch.setenv("POSTBOX_CONFIG", str(config))
+    args = _command(service)
+    for old, new in (replace or {}).items():
+        args = [a.replace(old, new) for a in args]
+    for option, value in (options or {}).items():
+        args[args.index(option) + 1] = value
+    return spawn_postbox(*args, stderr=subprocess.PIPE)
 
 
 def test_the_orders_worker_of_the_compose_file_processes_an_order(compose_database, monkeypatch):
@@ -441,3 +456,66 @@ def test_the_shipping_worker_of_the_compose_file_records_a_shipment(compose_data
         _stop(worker)
     assert shipments == [("order-1", "o1-paid:shipment")]
     assert worker.returncode == 0
+
+
+def test_the_compose_pipeline_turns_a_paid_order_into_a_shipment(compose_database, monkeypatch, tmp_path):
+    """worker-orders, relay, bridge and worker-shipping, started with their compose command lines
+    and config file (the host ``rabbitmq`` mapped to the machine's RabbitMQ, the queue renamed for
+    this test): a paid order goes inbox -> outbox -> RabbitMQ -> inbox and ends as one shipment."""
+    import pika
+
+    url = compose_database.url
+    queue = f"shipping-test-{uuid.uuid4().hex[:12]}"
+    compose_broker, local_broker = "@rabbitmq:5672/", "@127.0.0.1:5672/"
+    original = _host_path(SERVICES["relay"], _environment(SERVICES["relay"])["POSTBOX_CONFIG"])
+    assert original is not None
+    text = original.read_text(encoding="utf-8")
+    assert compose_broker in text and 'routing_key = "shipping"' in text
+    config = tmp_path / "postbox.toml"
+    config.write_text(
+        text.replace(compose_broker, local_broker).replace(
+            'routing_key = "shipping"', f'routing_key = "{queue}"'
+        )
+    )
+    replace = {compose_broker: local_broker}
+    # In compose order: the workers first (they declare their consumers), then relay and bridge.
+    names = ["worker-shipping", "worker-orders", "relay", "bridge"]
+    with psycopg.connect(url) as c:
+        receive(
+            c,
+            consumer="orders",
+            message_id="o7-paid",
+            key="order-7",
+            type="order.paid",
+            payload={"amount": 7},
+        )
+        c.commit()
+    processes = []
+    try:
+        for name in names:
+            if name == "relay":
+                eventually(
+                    lambda: scalar(url, "SELECT count(*) FROM postbox.consumers WHERE declared") == 2,
+                    timeout=60,
+                    what="the workers declared their consumers",
+                )
+            options = {"--name": queue} if name == "bridge" else {}
+            processes.append(_run_compose_service(name, url, monkeypatch, config, replace, options))
+
+        def shipped() -> Any:
+            for name, process in zip(names, processes, strict=True):
+                assert process.poll() is None, f"{name} exited: {process.communicate()[1].decode()}"
+            with psycopg.connect(url, autocommit=True) as c:
+                return c.execute("SELECT order_id, request_id FROM example_shipments").fetchall()
+
+        shipments = eventually(shipped, timeout=90, what="the shipment reached worker-shipping")
+    finally:
+        errors = [_stop(p) for p in processes]
+        connection = pika.BlockingConnection(pika.URLParameters("amqp://guest:guest@127.0.0.1:5672/%2F"))
+        connection.channel().queue_delete(queue)
+        connection.close()
+    assert shipments == [("order-7", "o7-paid:shipment")]
+    assert [p.returncode for p in processes] == [0, 0, 0, 0], errors
+    with psycopg.connect(url, autocommit=True) as c:
+        assert c.execute("SELECT count(*) FROM postbox.outbox").fetchone() == (0,)
+        assert c.execute("SELECT count(*) FROM postbox.inbox").fetchone() == (0,)
