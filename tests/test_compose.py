@@ -330,6 +330,35 @@ def test_dockerfile_copies_what_the_package_build_needs_and_dockerignore_keeps_i
     assert ".venv" in ignored and ".git" in ignored
 
 
+def _readme_section() -> str:
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    return readme.split("\n## Running with docker compose\n", 1)[1].split("\n## ", 1)[0]
+
+
+def _readme_sql() -> tuple[str, list[str]]:
+    """The README's producer statement (the psql here-document) and its queries (``psql -c``)."""
+    section = _readme_section()
+    produce = re.search(r"psql -U postbox <<'SQL'\n(.*?)\nSQL\n", section, re.DOTALL)
+    assert produce, "the README's compose section has no psql here-document"
+    return produce.group(1), re.findall(r'-c "([^"]+)"', section)
+
+
+def test_the_readme_compose_commands_name_real_services_and_users():
+    """The README's docker compose commands use services of the file and the database user that the
+    compose PostgreSQL creates (its default database has the user's name)."""
+    section = _readme_section()
+    used = set(
+        re.findall(r"docker compose exec -T (\S+)", section) + re.findall(r"--scale ([\w-]+)=", section)
+    )
+    assert used and used <= set(SERVICES), used - set(SERVICES)
+    env = _environment(SERVICES["postgres"])
+    assert env["POSTGRES_USER"] == env["POSTGRES_DB"]
+    assert set(re.findall(r"psql -U (\S+)", section)) == {env["POSTGRES_USER"]}
+    assert (
+        urlsplit(_environment(SERVICES["migrate"])["POSTBOX_DATABASE_URL"]).username == env["POSTGRES_USER"]
+    )
+
+
 # --- the compose command lines, run -----------------------------------------------------------
 
 
@@ -461,7 +490,8 @@ def test_the_shipping_worker_of_the_compose_file_records_a_shipment(compose_data
 def test_the_compose_pipeline_turns_a_paid_order_into_a_shipment(compose_database, monkeypatch, tmp_path):
     """worker-orders, relay, bridge and worker-shipping, started with their compose command lines
     and config file (the host ``rabbitmq`` mapped to the machine's RabbitMQ, the queue renamed for
-    this test): a paid order goes inbox -> outbox -> RabbitMQ -> inbox and ends as one shipment."""
+    this test): the README's order event goes inbox -> outbox -> RabbitMQ -> inbox and ends as one
+    shipment, seen by the README's queries."""
     import pika
 
     url = compose_database.url
@@ -480,16 +510,9 @@ def test_the_compose_pipeline_turns_a_paid_order_into_a_shipment(compose_databas
     replace = {compose_broker: local_broker}
     # In compose order: the workers first (they declare their consumers), then relay and bridge.
     names = ["worker-shipping", "worker-orders", "relay", "bridge"]
-    with psycopg.connect(url) as c:
-        receive(
-            c,
-            consumer="orders",
-            message_id="o7-paid",
-            key="order-7",
-            type="order.paid",
-            payload={"amount": 7},
-        )
-        c.commit()
+    produce, queries = _readme_sql()
+    with psycopg.connect(url, autocommit=True) as c:  # as psql runs the README's statement
+        assert c.execute(produce).fetchall() == [("new",)]
     processes = []
     try:
         for name in names:
@@ -514,7 +537,12 @@ def test_the_compose_pipeline_turns_a_paid_order_into_a_shipment(compose_databas
         connection = pika.BlockingConnection(pika.URLParameters("amqp://guest:guest@127.0.0.1:5672/%2F"))
         connection.channel().queue_delete(queue)
         connection.close()
-    assert shipments == [("order-7", "o7-paid:shipment")]
+    assert shipments == [("order-1", "order-1-paid:shipment")]
+    with psycopg.connect(url, autocommit=True) as c:
+        assert [c.execute(q).fetchall() for q in queries] == [
+            [("order-1", "paid", 42)],
+            [("order-1", "order-1-paid:shipment")],
+        ]
     assert [p.returncode for p in processes] == [0, 0, 0, 0], errors
     with psycopg.connect(url, autocommit=True) as c:
         assert c.execute("SELECT count(*) FROM postbox.outbox").fetchone() == (0,)
