@@ -3,7 +3,7 @@
 The public API is what this module exports; everything else is machinery.
 """
 
-from service.errors import ConfigError, InvalidMessage, PostboxError
+from service.errors import ConfigError, InvalidMessage, InvalidRequest, PostboxError
 from service.messages import InboxMessage, OutboxMessage, ReceiveResult, ReceiveStatus
 from service.producer import (
     declare_consumer,
@@ -23,6 +23,7 @@ __all__ = [
     "ConfigError",
     "InboxMessage",
     "InvalidMessage",
+    "InvalidRequest",
     "OutboxMessage",
     "PostboxError",
     "ReceiveResult",

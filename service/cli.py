@@ -18,6 +18,7 @@ from service.config import apply_policies, check_retention, configured_handlers,
 from service.embedded import resolve_database_url
 from service.errors import ConfigError
 from service.handlers import Registry
+from service.operations_cli import register as register_operations
 from service.policy import RetryPolicy
 from service.producer import declare_consumer
 from service.settings import Settings, load_settings, mask_url
@@ -304,6 +305,9 @@ def demo(ctx: click.Context) -> None:
 
     s = _settings(ctx)
     run_demo(s.database_url.get_secret_value() if s.database_url else None, s.embedded_data_dir)
+
+
+register_operations(cli)
 
 
 def main() -> None:

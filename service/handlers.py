@@ -72,8 +72,15 @@ class Context:
         return self.idempotency_key_for("")
 
     def idempotency_key_for(self, operation: str) -> str:
-        """A stable key per logical operation of this message (several external calls, one each)."""
-        raw = f"{self.message.consumer}\x1f{self.message.message_id}\x1f{operation}"
+        """A stable key per logical operation of this message (several external calls, one each).
+
+        A replay as a new message keeps the original's key (its ``postbox_replay_of`` header names the
+        original message), so a replay never repeats an external effect that did happen."""
+        original = (
+            self.message.headers.get("postbox_replay_of") if isinstance(self.message.headers, dict) else None
+        )
+        message_id = original.get("message_id") if isinstance(original, dict) else None
+        raw = f"{self.message.consumer}\x1f{message_id or self.message.message_id}\x1f{operation}"
         return "pbx-" + hashlib.sha256(raw.encode()).hexdigest()[:32]
 
     @property

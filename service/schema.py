@@ -12,6 +12,7 @@ from sqlalchemy import (
     CheckConstraint,
     Column,
     Double,
+    ForeignKey,
     Index,
     Integer,
     Interval,
@@ -27,7 +28,9 @@ from sqlalchemy.dialects.postgresql import JSONB, TIMESTAMP
 __all__ = [
     "SCHEMA",
     "attempts",
+    "audit_log",
     "consumers",
+    "dead_letter_edits",
     "dead_letters",
     "inbox",
     "inbox_dedup",
@@ -35,6 +38,8 @@ __all__ = [
     "key_repairs",
     "metadata",
     "outbox",
+    "replay_items",
+    "replay_jobs",
     "workers",
 ]
 
@@ -68,6 +73,7 @@ def _retry_columns() -> list[Column[object]]:
         Column("last_error_type", Text),
         Column("claimed_by", Text),
         Column("claimed_at", _TS),
+        Column("replay_of", BigInteger),
     ]
 
 
@@ -213,6 +219,10 @@ dead_letters = Table(
     Column("status", Text, nullable=False, server_default=text("'open'")),
     Column("dead_lettered_at", _TS, nullable=False, server_default=_NOW),
     Column("status_changed_at", _TS),
+    Column("status_reason", Text),
+    Column("edited_payload", JSONB),
+    Column("payload_version", Integer, nullable=False, server_default=text("0")),
+    Column("replay_of", BigInteger),
     Index(
         "dead_letters_open_uq",
         "origin",
@@ -279,4 +289,107 @@ workers = Table(
     Column("started_at", _TS, nullable=False, server_default=_NOW),
     Column("heartbeat_at", _TS, nullable=False, server_default=_NOW),
     Column("stopping_at", _TS),
+)
+
+_CLOCK = text("clock_timestamp()")
+
+audit_log = Table(
+    "audit_log",
+    metadata,
+    Column("id", BigInteger, primary_key=True, autoincrement=True),
+    Column("at", _TS, nullable=False, server_default=_CLOCK),
+    Column("db_user", Text, nullable=False, server_default=text("SESSION_USER")),
+    Column("db_role", Text, nullable=False),
+    Column("actor", Text),
+    Column("action", Text, nullable=False),
+    Column("reason", Text),
+    Column("target", JSONB, nullable=False, server_default=text("'{}'::jsonb")),
+    Column("details", JSONB, nullable=False, server_default=text("'{}'::jsonb")),
+    Index("audit_log_at_idx", "at"),
+    Index(
+        "audit_log_target_idx", "target", postgresql_using="gin", postgresql_ops={"target": "jsonb_path_ops"}
+    ),
+)
+
+dead_letter_edits = Table(
+    "dead_letter_edits",
+    metadata,
+    Column(
+        "dead_letter_id",
+        BigInteger,
+        ForeignKey("postbox.dead_letters.id", ondelete="CASCADE"),
+        nullable=False,
+    ),
+    Column("version", Integer, nullable=False),
+    Column("payload", JSONB, nullable=False),
+    Column("previous", JSONB, nullable=False),
+    Column("reason", Text, nullable=False),
+    Column("actor", Text),
+    Column("db_user", Text, nullable=False, server_default=text("SESSION_USER")),
+    Column("edited_at", _TS, nullable=False, server_default=_CLOCK),
+    PrimaryKeyConstraint("dead_letter_id", "version"),
+)
+
+replay_jobs = Table(
+    "replay_jobs",
+    metadata,
+    Column("id", BigInteger, primary_key=True, autoincrement=True),
+    Column("created_at", _TS, nullable=False, server_default=_CLOCK),
+    Column("db_user", Text, nullable=False, server_default=text("SESSION_USER")),
+    Column("actor", Text),
+    Column("reason", Text),
+    Column("filter", JSONB, nullable=False),
+    Column("mode", Text, nullable=False),
+    Column("rate", Double, nullable=False),
+    Column("max_in_flight", Integer, nullable=False),
+    Column("batch_size", Integer, nullable=False),
+    Column("canary", Integer, nullable=False, server_default=text("0")),
+    Column("abort_failure_ratio", Double, nullable=False),
+    Column("abort_min_finished", Integer, nullable=False, server_default=text("5")),
+    Column("dry_run", Boolean, nullable=False, server_default=text("false")),
+    Column("state", Text, nullable=False, server_default=text("'pending'")),
+    Column("state_reason", Text),
+    Column("canary_passed", Boolean, nullable=False, server_default=text("false")),
+    Column("total", Integer, nullable=False, server_default=text("0")),
+    Column("replayed", Integer, nullable=False, server_default=text("0")),
+    Column("succeeded", Integer, nullable=False, server_default=text("0")),
+    Column("failed", Integer, nullable=False, server_default=text("0")),
+    Column("skipped", Integer, nullable=False, server_default=text("0")),
+    Column("tokens", Double, nullable=False, server_default=text("0")),
+    Column("tokens_at", _TS),
+    Column("started_at", _TS),
+    Column("finished_at", _TS),
+    Column("updated_at", _TS, nullable=False, server_default=_CLOCK),
+    Column("last_step_at", _TS),
+    Column("last_runner", Text),
+    Index(
+        "replay_jobs_active_idx",
+        "id",
+        postgresql_where=text("state IN ('pending', 'running', 'paused')"),
+    ),
+)
+
+replay_items = Table(
+    "replay_items",
+    metadata,
+    Column(
+        "job_id",
+        BigInteger,
+        ForeignKey("postbox.replay_jobs.id", ondelete="CASCADE"),
+        nullable=False,
+    ),
+    Column("ordinal", Integer, nullable=False),
+    Column("dead_letter_id", BigInteger, nullable=False),
+    Column("state", Text, nullable=False, server_default=text("'pending'")),
+    Column("action", Text),
+    Column("replayed_at", _TS),
+    Column("finished_at", _TS),
+    PrimaryKeyConstraint("job_id", "ordinal"),
+    Index(
+        "replay_items_open_idx",
+        "job_id",
+        "state",
+        postgresql_where=text("state IN ('pending', 'replaying')"),
+    ),
+    Index("replay_items_dead_letter_idx", "dead_letter_id"),
 )

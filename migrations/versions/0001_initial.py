@@ -24,7 +24,13 @@ FUNCTIONS = [
     "functions/outbox_relay_v1.sql",
     "functions/aliases_v1.sql",
     "views/views_v1.sql",
+    "functions/dead_letter_ops_v1.sql",
+    "functions/replay_v1.sql",
+    "functions/operator_aliases_v1.sql",
 ]
+
+# Applied after everything else: grants cover every table and function present.
+ROLES = "roles_v1.sql"
 
 TRIGGERS = """
 CREATE CONSTRAINT TRIGGER inbox_pending_commit AFTER INSERT ON postbox.inbox
@@ -33,6 +39,12 @@ CREATE CONSTRAINT TRIGGER inbox_pending_commit AFTER INSERT ON postbox.inbox
 CREATE CONSTRAINT TRIGGER outbox_pending_commit AFTER INSERT ON postbox.outbox
     DEFERRABLE INITIALLY DEFERRED FOR EACH ROW WHEN (NEW.state = 'pending')
     EXECUTE FUNCTION postbox.outbox_pending_commit_v1();
+CREATE TRIGGER inbox_replay_settled AFTER DELETE ON postbox.inbox
+    FOR EACH ROW WHEN (OLD.replay_of IS NOT NULL) EXECUTE FUNCTION postbox.replay_settled_v1();
+CREATE TRIGGER outbox_replay_settled AFTER DELETE ON postbox.outbox
+    FOR EACH ROW WHEN (OLD.replay_of IS NOT NULL) EXECUTE FUNCTION postbox.replay_settled_v1();
+CREATE TRIGGER dead_letters_link_replay BEFORE INSERT ON postbox.dead_letters
+    FOR EACH ROW EXECUTE FUNCTION postbox.dead_letter_link_replay_v1();
 """
 
 
@@ -41,6 +53,7 @@ def upgrade() -> None:
     for name in FUNCTIONS:
         run_sql_file(name)
     run_sql(TRIGGERS)
+    run_sql_file(ROLES)
 
 
 def downgrade() -> None:

@@ -66,7 +66,8 @@ CREATE TABLE postbox.inbox (
     last_error       text,
     last_error_type  text,
     claimed_by       text,
-    claimed_at       timestamptz
+    claimed_at       timestamptz,
+    replay_of        bigint
 );
 CREATE UNIQUE INDEX inbox_head_uq ON postbox.inbox (consumer, key) WHERE state <> 'pending';
 CREATE INDEX inbox_claim_idx ON postbox.inbox (consumer, available_at, id) WHERE state IN ('ready', 'running');
@@ -79,6 +80,7 @@ COMMENT ON COLUMN postbox.inbox.state IS 'pending: waiting behind an earlier mes
 COMMENT ON COLUMN postbox.inbox.available_at IS 'ready: when it may be claimed (next retry); running: when the lease of the worker that holds it runs out.';
 COMMENT ON COLUMN postbox.inbox.attempt IS 'Deliveries so far, counted when claimed (a worker that dies mid-handler still used an attempt).';
 COMMENT ON COLUMN postbox.inbox.next_retry_at IS 'When the next attempt is due after a failure; null if the message never failed.';
+COMMENT ON COLUMN postbox.inbox.replay_of IS 'Set while the message is a replay: the postbox.dead_letters.id it replays (its outcome settles that dead letter).';
 COMMENT ON COLUMN postbox.inbox.claimed_by IS 'postbox.workers.id of the worker that last claimed the message.';
 
 CREATE TABLE postbox.inbox_keys (
@@ -112,7 +114,8 @@ CREATE TABLE postbox.outbox (
     last_error       text,
     last_error_type  text,
     claimed_by       text,
-    claimed_at       timestamptz
+    claimed_at       timestamptz,
+    replay_of        bigint
 );
 CREATE UNIQUE INDEX outbox_head_uq ON postbox.outbox (destination, key) WHERE state <> 'pending';
 CREATE INDEX outbox_claim_idx ON postbox.outbox (destination, available_at, id) WHERE state IN ('ready', 'running');
@@ -120,6 +123,7 @@ CREATE INDEX outbox_pending_idx ON postbox.outbox (destination, key, position, i
 COMMENT ON TABLE postbox.outbox IS 'Live outbox: events written by producers and handlers in their own transactions, not yet published by a relay.';
 COMMENT ON COLUMN postbox.outbox.destination IS 'Where the relay sends the row (a configured destination name).';
 COMMENT ON COLUMN postbox.outbox.position IS 'Order within (destination, key): the outbox id, so per-key order is the order of the inserts.';
+COMMENT ON COLUMN postbox.outbox.replay_of IS 'Set while the row is a replay: the postbox.dead_letters.id it replays.';
 COMMENT ON COLUMN postbox.outbox.state IS 'pending: behind an earlier row of its key; ready: head, publishable from available_at; running: claimed by a relay until available_at; blocked: head dead-lettered.';
 
 CREATE TABLE postbox.dead_letters (
@@ -152,9 +156,13 @@ CREATE TABLE postbox.dead_letters (
     fingerprint       text,
     ordering_policy   text NOT NULL CHECK (ordering_policy IN ('block', 'skip', 'halt')),
     status            text NOT NULL DEFAULT 'open'
-                      CHECK (status IN ('open', 'replaying', 'replayed', 'discarded', 'resolved')),
+                      CHECK (status IN ('open', 'replaying', 'replayed', 'replay_failed', 'discarded', 'resolved')),
     dead_lettered_at  timestamptz NOT NULL DEFAULT now(),
     status_changed_at timestamptz,
+    status_reason     text,
+    edited_payload    jsonb,
+    payload_version   integer NOT NULL DEFAULT 0,
+    replay_of         bigint,
     CHECK ((origin = 'inbox') = (consumer IS NOT NULL)),
     CHECK ((origin = 'outbox') = (destination IS NOT NULL))
 );
@@ -166,7 +174,12 @@ COMMENT ON COLUMN postbox.dead_letters.origin_id IS 'postbox.inbox.id or postbox
 COMMENT ON COLUMN postbox.dead_letters.reason IS 'Why it was dead-lettered: attempts_exhausted, deadline, permanent, unknown_outcome, late, gap, manual.';
 COMMENT ON COLUMN postbox.dead_letters.fingerprint IS 'Error group: error type plus the normalised message; group by it to see causes.';
 COMMENT ON COLUMN postbox.dead_letters.ordering_policy IS 'Policy applied to the key when it was dead-lettered: block, skip or halt.';
-COMMENT ON COLUMN postbox.dead_letters.status IS 'open, replaying, replayed, discarded or resolved.';
+COMMENT ON COLUMN postbox.dead_letters.status IS 'open; replaying (sent back, outcome pending); replayed (the replay succeeded); replay_failed (the replay was dead-lettered again: see the dead letter whose replay_of is this id); discarded or resolved (by an operator, with a reason).';
+COMMENT ON COLUMN postbox.dead_letters.status_reason IS 'Why the status last changed (the operator''s reason, or the replay job).';
+COMMENT ON COLUMN postbox.dead_letters.payload IS 'The payload as it failed; never changed (edits go to edited_payload and postbox.dead_letter_edits).';
+COMMENT ON COLUMN postbox.dead_letters.edited_payload IS 'The payload a replay sends, if an operator edited it (latest version); null means the original.';
+COMMENT ON COLUMN postbox.dead_letters.payload_version IS 'Number of edits so far (0: never edited).';
+COMMENT ON COLUMN postbox.dead_letters.replay_of IS 'The earlier dead letter this one is a failed replay of.';
 
 CREATE TABLE postbox.key_repairs (
     id          bigint GENERATED BY DEFAULT AS IDENTITY PRIMARY KEY,
@@ -219,3 +232,94 @@ CREATE TABLE postbox.workers (
 );
 COMMENT ON TABLE postbox.workers IS 'Live worker, relay, bridge and maintenance processes, with their last heartbeat. A row is deleted at clean shutdown; a stale heartbeat means the process died.';
 COMMENT ON COLUMN postbox.workers.queue IS 'The consumer (worker) or destination (relay) the process serves.';
+
+-- Dead-letter operations (issue 6): audit trail, payload edits, replay jobs.
+
+CREATE TABLE postbox.audit_log (
+    id          bigint GENERATED BY DEFAULT AS IDENTITY PRIMARY KEY,
+    at          timestamptz NOT NULL DEFAULT clock_timestamp(),
+    db_user     text NOT NULL DEFAULT session_user,
+    db_role     text NOT NULL,
+    actor       text,
+    action      text NOT NULL,
+    reason      text,
+    target      jsonb NOT NULL DEFAULT '{}'::jsonb,
+    details     jsonb NOT NULL DEFAULT '{}'::jsonb
+);
+CREATE INDEX audit_log_at_idx ON postbox.audit_log (at);
+CREATE INDEX audit_log_target_idx ON postbox.audit_log USING gin (target jsonb_path_ops);
+COMMENT ON TABLE postbox.audit_log IS 'Every operator action (replay, discard, resolve, edit, pause, resume, cancel, unblock, consumer halt/resume): who, when, why, and what it touched. Append-only.';
+COMMENT ON COLUMN postbox.audit_log.db_user IS 'The database login that called the operation (session_user).';
+COMMENT ON COLUMN postbox.audit_log.db_role IS 'The role in effect when the operation was called (SET ROLE), else the login.';
+COMMENT ON COLUMN postbox.audit_log.actor IS 'Who the operator says they are (the --actor option or the p_actor parameter).';
+COMMENT ON COLUMN postbox.audit_log.target IS 'What the action touched, e.g. {"dead_letters": [12, 13]} or {"replay_job": 4}.';
+
+CREATE TABLE postbox.dead_letter_edits (
+    dead_letter_id  bigint NOT NULL REFERENCES postbox.dead_letters (id) ON DELETE CASCADE,
+    version         integer NOT NULL,
+    payload         jsonb NOT NULL,
+    previous        jsonb NOT NULL,
+    reason          text NOT NULL,
+    actor           text,
+    db_user         text NOT NULL DEFAULT session_user,
+    edited_at       timestamptz NOT NULL DEFAULT clock_timestamp(),
+    PRIMARY KEY (dead_letter_id, version)
+);
+COMMENT ON TABLE postbox.dead_letter_edits IS 'Every payload edit of a dead letter, versioned: the new payload and the one it replaced. The original stays in postbox.dead_letters.payload.';
+
+CREATE TABLE postbox.replay_jobs (
+    id                   bigint GENERATED BY DEFAULT AS IDENTITY PRIMARY KEY,
+    created_at           timestamptz NOT NULL DEFAULT clock_timestamp(),
+    db_user              text NOT NULL DEFAULT session_user,
+    actor                text,
+    reason               text,
+    filter               jsonb NOT NULL,
+    mode                 text NOT NULL CHECK (mode IN ('in_place', 'new_message')),
+    rate                 double precision NOT NULL CHECK (rate > 0),
+    max_in_flight        integer NOT NULL CHECK (max_in_flight > 0),
+    batch_size           integer NOT NULL CHECK (batch_size > 0),
+    canary               integer NOT NULL DEFAULT 0 CHECK (canary >= 0),
+    abort_failure_ratio  double precision NOT NULL CHECK (abort_failure_ratio >= 0 AND abort_failure_ratio <= 1),
+    abort_min_finished   integer NOT NULL DEFAULT 5 CHECK (abort_min_finished > 0),
+    dry_run              boolean NOT NULL DEFAULT false,
+    state                text NOT NULL DEFAULT 'pending'
+                         CHECK (state IN ('pending', 'running', 'paused', 'done', 'aborted', 'cancelled')),
+    state_reason         text,
+    canary_passed        boolean NOT NULL DEFAULT false,
+    total                integer NOT NULL DEFAULT 0,
+    replayed             integer NOT NULL DEFAULT 0,
+    succeeded            integer NOT NULL DEFAULT 0,
+    failed               integer NOT NULL DEFAULT 0,
+    skipped              integer NOT NULL DEFAULT 0,
+    tokens               double precision NOT NULL DEFAULT 0,
+    tokens_at            timestamptz,
+    started_at           timestamptz,
+    finished_at          timestamptz,
+    updated_at           timestamptz NOT NULL DEFAULT clock_timestamp(),
+    last_step_at         timestamptz,
+    last_runner          text
+);
+CREATE INDEX replay_jobs_active_idx ON postbox.replay_jobs (id) WHERE state IN ('pending', 'running', 'paused');
+COMMENT ON TABLE postbox.replay_jobs IS 'Replay jobs: the filter, the snapshot of dead letters they cover (postbox.replay_items), pacing (rate, batch, in flight, canary), abort rule, progress and state. Any process may run a step; the job survives restarts.';
+COMMENT ON COLUMN postbox.replay_jobs.mode IS 'in_place: the message goes back with the same message_id (to its blocked place, or to its key''s queue); new_message: a new message that references the original.';
+COMMENT ON COLUMN postbox.replay_jobs.rate IS 'Most messages sent back per second (token bucket holding at most batch_size).';
+COMMENT ON COLUMN postbox.replay_jobs.canary IS 'Send this many first and go on only if all of them succeed.';
+COMMENT ON COLUMN postbox.replay_jobs.abort_failure_ratio IS 'Abort when failed / finished exceeds this, once abort_min_finished replays have finished.';
+COMMENT ON COLUMN postbox.replay_jobs.state IS 'pending, running, paused, done, aborted (by its abort rule or canary, see state_reason) or cancelled.';
+COMMENT ON COLUMN postbox.replay_jobs.replayed IS 'Messages sent back so far; succeeded and failed count their outcomes, skipped the dead letters that were no longer open.';
+
+CREATE TABLE postbox.replay_items (
+    job_id          bigint NOT NULL REFERENCES postbox.replay_jobs (id) ON DELETE CASCADE,
+    ordinal         integer NOT NULL,
+    dead_letter_id  bigint NOT NULL,
+    state           text NOT NULL DEFAULT 'pending'
+                    CHECK (state IN ('pending', 'replaying', 'succeeded', 'failed', 'skipped', 'cancelled', 'planned')),
+    action          text,
+    replayed_at     timestamptz,
+    finished_at     timestamptz,
+    PRIMARY KEY (job_id, ordinal)
+);
+CREATE INDEX replay_items_open_idx ON postbox.replay_items (job_id, state) WHERE state IN ('pending', 'replaying');
+CREATE INDEX replay_items_dead_letter_idx ON postbox.replay_items (dead_letter_id);
+COMMENT ON TABLE postbox.replay_items IS 'The dead letters a replay job covers, in replay order (per queue and key, in sequence order), and what became of each.';
+COMMENT ON COLUMN postbox.replay_items.action IS 'What the replay did (or, in a dry run, would do) with the dead letter.';

@@ -13,6 +13,7 @@ from contextlib import contextmanager
 from typing import Any
 
 import psycopg
+from psycopg.rows import dict_row
 from sqlalchemy import text
 from sqlalchemy.engine import Connection as SAConnection
 from sqlalchemy.exc import DBAPIError
@@ -21,9 +22,9 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.orm import Session
 
 from service.db.queries import Query
-from service.errors import InvalidMessage
+from service.errors import InvalidMessage, InvalidRequest
 
-__all__ = ["AnyAsyncConnection", "AnySyncConnection", "run", "run_async"]
+__all__ = ["AnyAsyncConnection", "AnySyncConnection", "run", "run_async", "run_dicts"]
 
 AnySyncConnection = psycopg.Connection[Any] | Session | SAConnection
 AnyAsyncConnection = psycopg.AsyncConnection[Any] | AsyncSession | SAAsyncConnection
@@ -42,14 +43,14 @@ def _diag(error: BaseException) -> tuple[str | None, str | None, str]:
 
 
 @contextmanager
-def _translated() -> Iterator[None]:
+def _translated(error_class: type[InvalidRequest] = InvalidMessage) -> Iterator[None]:
     try:
         yield
     except (psycopg.Error, DBAPIError) as error:
         sqlstate, column, message = _diag(error)
         if sqlstate == "22023" and column:
             problem = message.removeprefix("postbox: ").removeprefix(column).strip()
-            raise InvalidMessage(column, problem) from error
+            raise error_class(column, problem) from error
         raise
 
 
@@ -75,6 +76,14 @@ async def run_async(conn: AnyAsyncConnection, q: Query, params: dict[str, Any]) 
             result = await conn.execute(text(q.text), params)
             return [tuple(r) for r in result.all()]
     raise TypeError(f"postbox: unsupported connection type {type(conn).__name__}")
+
+
+def run_dicts(conn: psycopg.Connection[Any], q: Query, params: dict[str, Any]) -> list[dict[str, Any]]:
+    """Execute ``q`` on a psycopg connection; its rows as dicts. Bad input raises InvalidRequest."""
+    with _translated(InvalidRequest):
+        cur = conn.cursor(row_factory=dict_row)
+        cur.execute(q.psycopg, params)
+        return cur.fetchall() if cur.description else []
 
 
 def first(rows: Sequence[tuple[Any, ...]]) -> tuple[Any, ...]:
