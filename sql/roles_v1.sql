@@ -7,16 +7,18 @@
 -- Grant them to your login roles:  GRANT postbox_producer TO app_user;
 -- Applied last by each migration, so it covers every table and function present.
 DO $$
+DECLARE
+    r text;
 BEGIN
-    IF NOT EXISTS (SELECT 1 FROM pg_roles WHERE rolname = 'postbox_producer') THEN
-        CREATE ROLE postbox_producer NOLOGIN;
-    END IF;
-    IF NOT EXISTS (SELECT 1 FROM pg_roles WHERE rolname = 'postbox_worker') THEN
-        CREATE ROLE postbox_worker NOLOGIN;
-    END IF;
-    IF NOT EXISTS (SELECT 1 FROM pg_roles WHERE rolname = 'postbox_operator') THEN
-        CREATE ROLE postbox_operator NOLOGIN;
-    END IF;
+    FOREACH r IN ARRAY ARRAY['postbox_producer', 'postbox_worker', 'postbox_operator'] LOOP
+        IF NOT EXISTS (SELECT 1 FROM pg_roles WHERE rolname = r) THEN
+            BEGIN
+                EXECUTE format('CREATE ROLE %I NOLOGIN', r);
+            EXCEPTION WHEN duplicate_object OR unique_violation THEN
+                NULL;  -- another database's migration created it at the same moment
+            END;
+        END IF;
+    END LOOP;
 END
 $$;
 

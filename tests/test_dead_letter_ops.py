@@ -338,3 +338,43 @@ def test_cli_refuses_bad_input_cleanly(blocked):
         r = cli(url, *args)
         assert r.returncode != 0 and needle in r.stderr, (args, r.stderr)
         assert "Traceback" not in r.stderr
+
+
+def test_outbox_dead_letters_replay_in_place_and_settle_when_published(database):
+    """An outbox row the relay dead-lettered (its key blocked, a later row held) is replayed in place:
+    it is the ready head again with fresh attempts; when the relay publishes it, the dead letter
+    becomes replayed and the held row becomes the head."""
+    url = database.url
+    with psycopg.connect(url, autocommit=True) as c:
+        for n in (1, 2):
+            service.publish(
+                c, service.OutboxMessage(destination="erp", key="k", message_id=f"e{n}", payload={"n": n})
+            )
+        row = c.execute(
+            "SELECT id, attempt FROM postbox.outbox_claim_v1('erp', 'relay-1', 10, interval '30 s', now())"
+        ).fetchone()
+        c.execute(
+            "SELECT postbox.outbox_dead_letter_v1(%s, %s, now(), 'permanent', 'HTTP 400', 'HttpError', NULL, 'fp')",
+            row,
+        )
+        assert scalar(url, "SELECT count(*) FROM postbox.blocked_keys WHERE origin = 'outbox'") == 1
+        job = replay.start(c, DeadLetterFilter(origin="outbox", destination="erp"), "endpoint fixed")
+        sent = replay.step(c, job, service_now(c))
+        assert sent.replayed == 1
+        head = c.execute(
+            "SELECT id, state, attempt, replay_of IS NOT NULL FROM postbox.outbox ORDER BY id LIMIT 1"
+        ).fetchone()
+        assert head == (row[0], "ready", 0, True)
+        again = c.execute(
+            "SELECT id, attempt FROM postbox.outbox_claim_v1('erp', 'relay-1', 10, interval '30 s', now())"
+        ).fetchone()
+        c.execute(
+            "SELECT postbox.outbox_complete_v1(ARRAY[%s]::bigint[], ARRAY[%s]::integer[], now())", again
+        )
+        assert scalar(url, "SELECT status FROM postbox.dead_letters") == "replayed"
+        assert c.execute("SELECT message_id, state FROM postbox.outbox").fetchall() == [("e2", "ready")]
+        assert replay.step(c, job, service_now(c)).state == "done"
+
+
+def service_now(c: psycopg.Connection) -> object:
+    return c.execute("SELECT clock_timestamp()").fetchone()[0]
