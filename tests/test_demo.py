@@ -12,21 +12,41 @@ from tests.conftest import _conninfo_url
 
 def test_demo_scenario_outcome(pg_server, tmp_path):
     """paid succeeds after two transient failures and order-1 ships; the malformed event and the
-    exhausted payment are dead-lettered and block only their own orders; order-2 is unaffected."""
+    exhausted payment are dead-lettered and block only their own orders; every successful payment's
+    outbox event is relayed into the shipping inbox and recorded once; after the fix, a paced replay
+    sends both dead letters back, both succeed, and order-4's held shipped follows. Nothing keeps running."""
     name = f"postbox_demo_{uuid.uuid4().hex[:8]}"
     admin = _conninfo_url(dict(pg_server.params, dbname="postgres"))
     states = run_demo(admin, tmp_path, database=name)
     try:
-        assert states == {"order-1": "shipped", "order-2": "paid", "order-3": "created", "order-4": "created"}
+        assert states == {"order-1": "shipped", "order-2": "paid", "order-3": "paid", "order-4": "shipped"}
         with psycopg.connect(_conninfo_url(dict(pg_server.params, dbname=name))) as c:
             dead = c.execute(
-                "SELECT message_id, reason FROM postbox.dead_letters ORDER BY message_id"
+                "SELECT message_id, reason, status FROM postbox.dead_letters ORDER BY message_id"
             ).fetchall()
-            blocked = c.execute("SELECT key, held_messages FROM postbox.blocked_keys ORDER BY key").fetchall()
+            blocked = c.execute("SELECT count(*) FROM postbox.blocked_keys").fetchone()[0]
             running = c.execute("SELECT count(*) FROM postbox.workers").fetchone()[0]
-        assert dead == [("order-3/2", "permanent"), ("order-4/2", "attempts_exhausted")]
-        assert blocked == [("order-3", 0), ("order-4", 1)]
-        assert running == 0
+            shipments = c.execute(
+                "SELECT string_agg(order_id || ':' || amount, ',' ORDER BY order_id) FROM demo_shipments"
+            ).fetchone()[0]
+            log = c.execute(
+                "SELECT string_agg(event, ',' ORDER BY id) FROM demo_log WHERE order_id = 'order-4'"
+            ).fetchone()[0]
+            job = c.execute("SELECT state, total, succeeded FROM postbox.replay_progress").fetchone()
+            audit = c.execute("SELECT string_agg(action, ',' ORDER BY id) FROM postbox.audit_log").fetchone()[
+                0
+            ]
+            leftovers = c.execute(
+                "SELECT (SELECT count(*) FROM postbox.inbox) + (SELECT count(*) FROM postbox.outbox)"
+            ).fetchone()[0]
+        assert dead == [
+            ("order-3/2", "permanent", "replayed"),
+            ("order-4/2", "attempts_exhausted", "replayed"),
+        ]
+        assert blocked == 0 and running == 0 and leftovers == 0
+        assert shipments == "order-1:42,order-2:7,order-3:15,order-4:99"
+        assert log == "created,paid,shipped"
+        assert job == ("done", 2, 2) and audit == "dlq_edit,replay"
     finally:
         with psycopg.connect(admin, autocommit=True) as c:
             c.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
