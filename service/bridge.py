@@ -187,7 +187,7 @@ class NatsSource:
 
         try:
             return list(await self._sub.fetch(limit, timeout=timeout))
-        except nats.errors.TimeoutError:
+        except (nats.errors.TimeoutError, TimeoutError):  # nats-py raises either when nothing came
             return []
 
     def fetch(self, limit: int, timeout: float) -> list[Incoming]:
@@ -294,8 +294,30 @@ class Bridge:
         except ValidationError as error:
             raise InvalidMessage("message", str(error.errors()[0]["msg"])) from None
 
+    def _wait_for_consumer(self) -> None:
+        """Once any consumer is declared, receiving for an undeclared one is refused: rather than fail
+        on the first message, wait (stoppably) until this bridge's consumer is declared by its worker."""
+        warned = False
+        while not self._stopping.is_set():
+            with psycopg.connect(self.url, autocommit=True, application_name="postbox-bridge") as conn:
+                row = conn.execute(
+                    "SELECT NOT EXISTS (SELECT 1 FROM postbox.consumers WHERE declared)"
+                    " OR EXISTS (SELECT 1 FROM postbox.consumers WHERE name = %s AND declared)",
+                    (self.consumer,),
+                ).fetchone()
+            if row and row[0]:
+                return
+            if not warned:
+                log.warning(
+                    "bridge: consumer %r is not declared yet; waiting (start its worker, or declare it)",
+                    self.consumer,
+                )
+                warned = True
+            self._stopping.wait(1.0)
+
     def run(self) -> None:
         conn: psycopg.Connection[Any] | None = None
+        self._wait_for_consumer()
         try:
             while not self._stopping.is_set():
                 items = self.source.fetch(self.batch_size, self.wait)

@@ -201,3 +201,30 @@ def test_full_loop_with_failures_and_a_killed_relay(database, tmp_path):
     duplicates = len(got) - 300
     assert duplicates >= 0
     assert scalar(url, "SELECT count(*) FROM business") == 300  # exactly-once effects in the database
+
+
+def test_bridge_waits_for_its_consumer_to_be_declared(database):
+    """Once any consumer is declared, an undeclared one cannot receive: a bridge started before its
+    consumer's worker waits (nothing consumed, nothing lost) and starts bridging once it is declared."""
+    make_transport, make_source = sources()["redis"]
+    scalar(database.url, "SELECT postbox.declare_consumer_v1('orders')")
+    t = make_transport()
+    try:
+        t.publish(rows(3, 1))
+    finally:
+        t.close()
+    b = Bridge(database.url, make_source(), "shipping", batch_size=16, wait=0.2, origin="redis")
+    thread = threading.Thread(target=b.run)
+    thread.start()
+    try:
+        assert thread.is_alive() and b.received == 0
+        scalar(database.url, "SELECT postbox.declare_consumer_v1('shipping')")
+        eventually(
+            lambda: (
+                scalar(database.url, "SELECT count(*) FROM postbox.inbox WHERE consumer = 'shipping'") == 3
+            )
+        )
+    finally:
+        b.stop()
+        thread.join(timeout=30)
+    assert not thread.is_alive()
