@@ -130,7 +130,10 @@ class Relay:
             )
         for t in [*self._loops, *self._helpers]:
             t.start()
-        log.info("relay started", extra={"worker": self.id, "destinations": sorted(self.transports)})
+        log.info(
+            "relay started",
+            extra={"event": "relay_started", "worker": self.id, "destinations": sorted(self.transports)},
+        )
 
     def run(self) -> None:
         self.start()

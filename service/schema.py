@@ -280,3 +280,16 @@ workers = Table(
     Column("heartbeat_at", _TS, nullable=False, server_default=_NOW),
     Column("stopping_at", _TS),
 )
+
+maintenance_runs = Table(
+    "maintenance_runs",
+    metadata,
+    Column("job", _C, primary_key=True),
+    Column("runs", BigInteger, nullable=False, server_default=text("0")),
+    Column("last_started_at", _TS),
+    Column("last_finished_at", _TS),
+    Column("last_success_at", _TS),
+    Column("last_runner", Text),
+    Column("last_rows", BigInteger),
+    Column("last_error", Text),
+)

@@ -159,7 +159,10 @@ class Worker:
             t.start()
         metrics.record_breaker(self.settings.consumer, self.breaker.state.value)
         self._emit("started", worker=self.id)
-        log.info("worker started", extra={"worker": self.id, "consumer": self.settings.consumer})
+        log.info(
+            "worker started",
+            extra={"event": "worker_started", "worker": self.id, "consumer": self.settings.consumer},
+        )
 
     def run(self) -> None:
         self.start()

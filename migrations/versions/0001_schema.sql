@@ -219,3 +219,17 @@ CREATE TABLE postbox.workers (
 );
 COMMENT ON TABLE postbox.workers IS 'Live worker, relay, bridge and maintenance processes, with their last heartbeat. A row is deleted at clean shutdown; a stale heartbeat means the process died.';
 COMMENT ON COLUMN postbox.workers.queue IS 'The consumer (worker) or destination (relay) the process serves.';
+
+CREATE TABLE postbox.maintenance_runs (
+    job               text COLLATE "C" PRIMARY KEY,
+    runs              bigint NOT NULL DEFAULT 0,
+    last_started_at   timestamptz,
+    last_finished_at  timestamptz,
+    last_success_at   timestamptz,
+    last_runner       text,
+    last_rows         bigint,
+    last_error        text
+);
+COMMENT ON TABLE postbox.maintenance_runs IS 'Maintenance jobs (postbox maintain): when each last ran, by which process, with what result. A job runs at most once per period across every maintenance process.';
+COMMENT ON COLUMN postbox.maintenance_runs.runs IS 'How many times the job has started, all processes together.';
+COMMENT ON COLUMN postbox.maintenance_runs.last_rows IS 'Rows the last run deleted, released or repaired.';
