@@ -183,7 +183,9 @@ def status(ctx: click.Context, watch: bool, interval: float, as_json: bool) -> N
 
 # --- postbox config check ---------------------------------------------------------------------
 
-_SECRET_NAME = re.compile(r"(password|passwd|secret|token|api_?key|credential)", re.IGNORECASE)
+_SECRET_NAME = re.compile(
+    r"(password|passwd|secret|token|api_?key|credential|authorization|cookie)", re.IGNORECASE
+)
 _URL_CREDENTIALS = re.compile(r"([a-z][a-z0-9+.\-]*://[^:/@\s]*):([^@\s]*)@", re.IGNORECASE)
 
 
