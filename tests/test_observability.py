@@ -88,7 +88,10 @@ def observed_worker(database, tmp_path):
 
 def _scenario(url: str) -> None:
     messages = [
-        *({"message_id": f"ok-{i}", "key": f"k{i}", "type": "ok", "payload": {"publish": True}} for i in range(5)),
+        *(
+            {"message_id": f"ok-{i}", "key": f"k{i}", "type": "ok", "payload": {"publish": True}}
+            for i in range(5)
+        ),
         {"message_id": "retry-1", "key": "kr1", "type": "retry", "payload": {"succeed_at": 3}},
         {"message_id": "retry-2", "key": "kr2", "type": "retry", "payload": {"succeed_at": 2}},
         {"message_id": "bad-1", "key": "kb", "type": "bad", "payload": {"invalid": True}},
@@ -126,10 +129,24 @@ def test_metrics_of_a_worker_after_a_scenario(database, observed_worker):
         ("postbox_messages_processed_total", (("consumer", "obs"), ("type", "retry"))): 2,
         ("postbox_messages_succeeded_after_retry_total", (("consumer", "obs"), ("type", "retry"))): 2,
         ("postbox_messages_succeeded_after_retry_total", (("consumer", "obs"), ("type", "ok"))): 0,
-        ("postbox_messages_failed_total", (("consumer", "obs"), ("type", "retry"), ("kind", "transient"), ("error_type", "ConnectionError"))): 3,
-        ("postbox_messages_failed_total", (("consumer", "obs"), ("type", "bad"), ("kind", "permanent"), ("error_type", "ValueError"))): 1,
+        (
+            "postbox_messages_failed_total",
+            (
+                ("consumer", "obs"),
+                ("type", "retry"),
+                ("kind", "transient"),
+                ("error_type", "ConnectionError"),
+            ),
+        ): 3,
+        (
+            "postbox_messages_failed_total",
+            (("consumer", "obs"), ("type", "bad"), ("kind", "permanent"), ("error_type", "ValueError")),
+        ): 1,
         ("postbox_messages_retried_total", (("consumer", "obs"), ("type", "retry"))): 3,
-        ("postbox_messages_dead_lettered_total", (("consumer", "obs"), ("type", "bad"), ("reason", "permanent"))): 1,
+        (
+            "postbox_messages_dead_lettered_total",
+            (("consumer", "obs"), ("type", "bad"), ("reason", "permanent")),
+        ): 1,
         ("postbox_deliveries_total", (("consumer", "obs"), ("attempt", "1"))): 8,
         ("postbox_deliveries_total", (("consumer", "obs"), ("attempt", "2"))): 2,
         ("postbox_deliveries_total", (("consumer", "obs"), ("attempt", "3"))): 1,
@@ -170,7 +187,9 @@ def test_log_lines_are_json_with_the_stable_fields(database, observed_worker):
     carry error_type, processed messages duration_ms."""
     port, log_path = observed_worker
     _scenario(database.url)
-    eventually(lambda: value(scrape(port), "postbox_messages_processed_total", consumer="obs") == 7, what="processed")
+    eventually(
+        lambda: value(scrape(port), "postbox_messages_processed_total", consumer="obs") == 7, what="processed"
+    )
 
     def lines():
         entries = [json.loads(line) for line in log_path.read_text().splitlines() if line.strip()]
@@ -186,7 +205,16 @@ def test_log_lines_are_json_with_the_stable_fields(database, observed_worker):
         assert {"ts", "level", "event", "logger", "msg"} <= e.keys()
     about_messages = [e for e in entries if e.get("message_id")]
     for e in about_messages:
-        assert {"consumer", "message_id", "key", "type", "attempt", "worker", "correlation_id", "trace_id"} <= e.keys(), e
+        assert {
+            "consumer",
+            "message_id",
+            "key",
+            "type",
+            "attempt",
+            "worker",
+            "correlation_id",
+            "trace_id",
+        } <= e.keys(), e
         assert e["consumer"] == "obs" and e["trace_id"] == TRACE and e["correlation_id"] == "checkout-7"
     processed = {e["message_id"]: e for e in about_messages if e["event"] == "message_processed"}
     assert set(processed) == {*(f"ok-{i}" for i in range(5)), "retry-1", "retry-2"}
@@ -207,7 +235,9 @@ def test_handler_events_carry_the_trace_and_the_causation(database, observed_wor
     correlation id, and the message's id as causation id."""
     port, _ = observed_worker
     _scenario(database.url)
-    eventually(lambda: value(scrape(port), "postbox_messages_processed_total", type="ok") == 5, what="processed")
+    eventually(
+        lambda: value(scrape(port), "postbox_messages_processed_total", type="ok") == 5, what="processed"
+    )
     with psycopg.connect(database.url) as conn:
         rows = conn.execute(
             "SELECT headers, correlation_id, causation_id FROM postbox.outbox WHERE destination = 'out' ORDER BY causation_id"
@@ -227,3 +257,72 @@ def test_trace_context_helpers():
     assert child_traceparent("garbage") is None
     assert child_traceparent(f"00-{'0' * 32}-b7ad6b7169203331-01") is None
     assert trace_id({"traceparent": "nope"}) is None
+
+
+class _Down:
+    """A destination that refuses every publish."""
+
+    def publish(self, rows):
+        return [ConnectionError("destination down") for _ in rows]
+
+    def close(self) -> None:
+        pass
+
+
+def test_relay_metrics_count_published_failed_and_dead_lettered(database):
+    """A relay counts confirmed rows per destination, failed publishes by error type, and rows it
+    dead-letters, with the publish duration histogram per destination."""
+    from service.metrics import REGISTRY
+    from service.policy import Backoff, RetryPolicy
+    from service.relay import Relay, RelaySettings
+    from service.transports.postgres import PostgresTransport
+
+    def sample(name: str, **labels: str) -> float:
+        return REGISTRY.get_sample_value(name, labels) or 0.0
+
+    before = {
+        "published": sample("postbox_relay_published_total", destination="next"),
+        "failed": sample(
+            "postbox_relay_failed_total", destination="down", kind="transient", error_type="ConnectionError"
+        ),
+        "dead": sample("postbox_relay_dead_lettered_total", destination="down", reason="attempts_exhausted"),
+        "calls": sample("postbox_relay_publish_duration_seconds_count", destination="next"),
+    }
+    url = database.url
+    with psycopg.connect(url) as c:
+        service.publish_many(c, [{"destination": "next", "key": f"k{i}", "payload": i} for i in range(4)])
+        service.publish_many(c, [{"destination": "down", "key": "d", "payload": 1}])
+        c.commit()
+    relay = Relay(
+        url,
+        {"next": PostgresTransport(url, "next"), "down": _Down()},
+        RelaySettings(poll_interval=0.05, heartbeat_interval=0.3, stale_after=1.5, grace_period=5.0),
+        policies={"down": RetryPolicy(strategy=Backoff.FIXED, base_delay=0.05, max_attempts=2)},
+    )
+    relay.start()
+    try:
+        eventually(
+            lambda: (
+                sample("postbox_relay_dead_lettered_total", destination="down", reason="attempts_exhausted")
+                > before["dead"]
+            )
+        )
+        eventually(
+            lambda: sample("postbox_relay_published_total", destination="next") - before["published"] == 4
+        )
+    finally:
+        relay.stop()
+        relay.join()
+    assert (
+        sample(
+            "postbox_relay_failed_total", destination="down", kind="transient", error_type="ConnectionError"
+        )
+        - before["failed"]
+        == 2
+    )
+    assert (
+        sample("postbox_relay_dead_lettered_total", destination="down", reason="attempts_exhausted")
+        - before["dead"]
+        == 1
+    )
+    assert sample("postbox_relay_publish_duration_seconds_count", destination="next") > before["calls"]
