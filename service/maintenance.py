@@ -27,7 +27,7 @@ import logging
 import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import psycopg
@@ -302,7 +302,7 @@ class Maintenance:
 
         self.register()
         self.presence.beat()
-        first = datetime.now(self.clock.now().tzinfo)
+        first = datetime.now(UTC)
         scheduler = BackgroundScheduler(timezone="UTC")
         for job in self.jobs:
             scheduler.add_job(

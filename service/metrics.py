@@ -196,6 +196,18 @@ MAINTENANCE_LAST_SUCCESS = Gauge(
 # --- hooks ------------------------------------------------------------------------------------
 
 
+_children: dict[tuple[int, tuple[str, ...]], Any] = {}
+
+
+def _child(metric: Any, *labels: str) -> Any:
+    """``metric.labels(*labels)``, cached: the label lookup costs more than the update itself."""
+    key = (id(metric), labels)
+    child = _children.get(key)
+    if child is None:
+        child = _children[key] = metric.labels(*labels)
+    return child
+
+
 def _type(message: Any) -> str:
     return message.type or ""
 
@@ -205,31 +217,31 @@ def _attempt_label(attempt: int) -> str:
 
 
 def record_claim(consumer: str, messages: Sequence[Any], seconds: float) -> None:
-    CLAIM_SECONDS.labels(consumer).observe(seconds)
+    _child(CLAIM_SECONDS, consumer).observe(seconds)
     for m in messages:
-        DELIVERIES.labels(consumer, _attempt_label(m.attempt)).inc()
+        _child(DELIVERIES, consumer, _attempt_label(m.attempt)).inc()
         if m.attempt > 1:
-            REDELIVERIES.labels(consumer).inc()
+            _child(REDELIVERIES, consumer).inc()
 
 
 def record_start(message: Any, now: datetime) -> None:
     if message.attempt == 1:
-        START_LAG_SECONDS.labels(message.consumer).observe(
+        _child(START_LAG_SECONDS, message.consumer).observe(
             max(0.0, (now - message.received_at).total_seconds())
         )
 
 
 def record_handler(message: Any, seconds: float) -> None:
-    HANDLER_SECONDS.labels(message.consumer, _type(message)).observe(seconds)
+    _child(HANDLER_SECONDS, message.consumer, _type(message)).observe(seconds)
 
 
 def record_success(message: Any, now: datetime) -> None:
     """After the commit of a successful message."""
-    PROCESSED.labels(message.consumer, _type(message)).inc()
+    _child(PROCESSED, message.consumer, _type(message)).inc()
     if message.attempt > 1:
-        SUCCEEDED_AFTER_RETRY.labels(message.consumer, _type(message)).inc()
+        _child(SUCCEEDED_AFTER_RETRY, message.consumer, _type(message)).inc()
     if message.first_failed_at is not None:
-        RECOVERY_SECONDS.labels(message.consumer).observe(
+        _child(RECOVERY_SECONDS, message.consumer).observe(
             max(0.0, (now - message.first_failed_at).total_seconds())
         )
 
@@ -237,18 +249,18 @@ def record_success(message: Any, now: datetime) -> None:
 def record_failure(message: Any, kind: str, error_type: str, dead_letter_reason: str | None) -> None:
     """After the commit of a failed attempt: retried, or dead-lettered for ``dead_letter_reason``."""
     t = _type(message)
-    FAILED.labels(message.consumer, t, kind or "unknown", error_type or "").inc()
+    _child(FAILED, message.consumer, t, kind or "unknown", error_type or "").inc()
     if dead_letter_reason is None:
-        RETRIED.labels(message.consumer, t).inc()
+        _child(RETRIED, message.consumer, t).inc()
     else:
-        DEAD_LETTERED.labels(message.consumer, t, dead_letter_reason).inc()
+        _child(DEAD_LETTERED, message.consumer, t, dead_letter_reason).inc()
 
 
 _BREAKER_VALUES = {"closed": 0, "half_open": 1, "open": 2}
 
 
 def record_breaker(consumer: str, state: str) -> None:
-    BREAKER_STATE.labels(consumer).set(_BREAKER_VALUES.get(state, 0))
+    _child(BREAKER_STATE, consumer).set(_BREAKER_VALUES.get(state, 0))
 
 
 # --- database gauges --------------------------------------------------------------------------

@@ -20,9 +20,9 @@ from pytest_postgresql.janitor import DatabaseJanitor
 
 from service import migrate
 
-# Postbox processes started by tests log errors only (unless a test asks for more): several tests
-# read their stderr through a pipe only at the end, and a full pipe would block them.
-os.environ.setdefault("POSTBOX_LOG_LEVEL", "error")
+# Postbox processes started by tests log warnings and errors only (unless a test asks for more):
+# several tests read their stderr through a pipe only at the end, and a full pipe would block them.
+os.environ.setdefault("POSTBOX_LOG_LEVEL", "warning")
 
 
 @dataclass(frozen=True)

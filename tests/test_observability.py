@@ -326,3 +326,79 @@ def test_relay_metrics_count_published_failed_and_dead_lettered(database):
         == 1
     )
     assert sample("postbox_relay_publish_duration_seconds_count", destination="next") > before["calls"]
+
+
+class _Tty:
+    """A text stream that says it is a terminal."""
+
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+
+    def isatty(self) -> bool:
+        return True
+
+    def write(self, text: str) -> int:
+        self.lines.append(text)
+        return len(text)
+
+    def flush(self) -> None:
+        pass
+
+
+def test_log_format_auto_is_text_on_a_terminal_and_json_otherwise():
+    """--log-format auto writes readable text to a terminal and one JSON object per line elsewhere;
+    extra fields appear in both, fields that are None are left out of JSON."""
+    import io
+    import logging
+
+    from service.logs import configure_logging
+
+    log = logging.getLogger("postbox.test")
+    tty = _Tty()
+    configure_logging("auto", "info", tty)  # type: ignore[arg-type]
+    log.info("hello %s", "there", extra={"event": "greeting", "consumer": "c", "key": None})
+    text = "".join(tty.lines)
+    assert (
+        "INFO" in text
+        and "hello there" in text
+        and "consumer=c" in text
+        and not text.lstrip().startswith("{")
+    )
+
+    pipe = io.StringIO()
+    configure_logging("auto", "info", pipe)
+    log.info("hello", extra={"event": "greeting", "consumer": "c", "key": None})
+    log.debug("hidden")
+    entries = [json.loads(line) for line in pipe.getvalue().splitlines()]
+    assert len(entries) == 1
+    assert entries[0]["event"] == "greeting" and entries[0]["consumer"] == "c" and "key" not in entries[0]
+    root = logging.getLogger()
+    for handler in [h for h in root.handlers if getattr(h, "_postbox", False)]:
+        root.removeHandler(handler)  # leave logging as the other tests expect it
+    logging.getLogger("postbox").setLevel(logging.NOTSET)
+
+
+def test_metrics_server_answers_health_and_readiness():
+    """/healthz is 200 while the process runs; /readyz follows the readiness check (503 when not
+    ready, also when the check raises); other paths are 404."""
+    from service.metrics import MetricsServer
+
+    state = {"ready": False}
+
+    def ready() -> bool:
+        if state["ready"] is None:
+            raise RuntimeError("broken check")
+        return bool(state["ready"])
+
+    server = MetricsServer(0, host="127.0.0.1", ready=ready).start()
+    try:
+        assert status_of(server.port, "/healthz") == 200
+        assert status_of(server.port, "/readyz") == 503
+        state["ready"] = True
+        assert status_of(server.port, "/readyz") == 200
+        state["ready"] = None  # type: ignore[assignment]
+        assert status_of(server.port, "/readyz") == 503
+        assert status_of(server.port, "/nope") == 404
+        assert status_of(server.port, "/metrics") == 200
+    finally:
+        server.stop()
