@@ -21,11 +21,12 @@ def _rows(conn: psycopg.Connection[Any], name: str, now: datetime) -> list[tuple
 def collect_status(conn: psycopg.Connection[Any], clock: Clock | None = None) -> dict[str, Any]:
     """Everything the status screen shows, as plain data (what ``--json`` prints)."""
     now = (clock or SystemClock()).now()
-    done = dict(_rows(conn, "status_processed", now))
+    recent = {r[0]: (r[1], r[2]) for r in _rows(conn, "status_processed", now)}
     consumers = [
         {"name": r[0], "sequence_mode": r[1], "on_dead_letter": r[2], "halted": bool(r[3]),
          "ready": r[4], "running": r[5], "pending": r[6], "blocked_keys": r[7], "retrying": r[8],
-         "lag_seconds": round(r[9], 3), "processed_last_minute": done.get(r[0], 0)}
+         "lag_seconds": round(r[9], 3), "received_last_minute": recent.get(r[0], (0, 0))[0],
+         "received_last_minute_done": recent.get(r[0], (0, 0))[1]}
         for r in _rows(conn, "status_consumers", now)
     ]  # fmt: skip
     workers = [
@@ -91,9 +92,10 @@ def render_status(s: dict[str, Any]) -> str:
     out = [f"Postbox status at {s['at']}", "", "Consumers"]
     if s["consumers"]:
         out += _table(
-            ["consumer", "ready", "running", "pending", "retrying", "blocked keys", "lag", "done/min", "state"],
+            ["consumer", "ready", "running", "pending", "retrying", "blocked keys", "lag", "in/min", "done", "state"],
             [[c["name"], c["ready"], c["running"], c["pending"], c["retrying"], c["blocked_keys"],
-              _age(c["lag_seconds"]), c["processed_last_minute"], "HALTED" if c["halted"] else "ok"]
+              _age(c["lag_seconds"]), c["received_last_minute"], c["received_last_minute_done"],
+              "HALTED" if c["halted"] else "ok"]
              for c in s["consumers"]],
         )  # fmt: skip
     else:

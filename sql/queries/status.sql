@@ -38,11 +38,11 @@ SELECT destination, rows, ready, in_flight, retrying, blocked,
   FROM postbox.outbox_backlog ORDER BY destination;
 
 -- name: status_processed
--- Throughput: ledger rows received in the last minute per consumer whose message already left the inbox.
-SELECT d.consumer, count(*)
+-- Throughput: per consumer, messages received in the last minute, and how many of them are done.
+SELECT d.consumer, count(*),
+       count(*) FILTER (WHERE NOT EXISTS (SELECT 1 FROM postbox.inbox i WHERE i.id = d.inbox_id))
   FROM postbox.inbox_dedup d
  WHERE d.received_at >= CAST(:now AS timestamptz) - interval '60 seconds'
-   AND NOT EXISTS (SELECT 1 FROM postbox.inbox i WHERE i.id = d.inbox_id)
  GROUP BY d.consumer;
 
 -- name: status_maintenance
