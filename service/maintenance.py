@@ -310,8 +310,9 @@ class Maintenance:
                 next_run_time=first, max_instances=1, coalesce=True, misfire_grace_time=None,
             )  # fmt: skip
         scheduler.add_job(self.presence.beat, "interval", seconds=self.presence.interval, id="heartbeat")
+        refresh = min(15.0, *(self.settings.period(job) for job in self.jobs))
         scheduler.add_job(
-            self._tick_metrics, "interval", seconds=15, id="metrics_refresh", next_run_time=first
+            self._tick_metrics, "interval", seconds=refresh, id="metrics_refresh", next_run_time=first
         )
         scheduler.start()
         self._scheduler = scheduler

@@ -17,6 +17,7 @@ from service.maintenance import JOBS, Maintenance, MaintenanceSettings
 from service.worker import Worker, WorkerSettings
 from tests.apps.basic import registry as basic_registry
 from tests.helpers import EFFECTS_DDL, FAST_WORKER, eventually, scalar, spawn_postbox
+from tests.test_observability import free_port, scrape, value
 
 WINDOW = 3600.0
 
@@ -124,9 +125,13 @@ def test_two_maintain_processes_run_each_job_once_per_period(database):
     """Two `postbox maintain --period 1` processes at once: each job runs about once per second in
     all, not twice, and both processes are registered as live maintenance processes."""
     url = database.url
-    args = ("--database-url", url, "maintain", "--period", "1", "--stale-after", "5")
+    args = ("maintain", "--period", "1", "--stale-after", "5")
+    port = free_port()
     started = time.monotonic()
-    procs = [spawn_postbox(*args), spawn_postbox(*args)]
+    procs = [
+        spawn_postbox("--database-url", url, "--metrics-port", str(port), *args),
+        spawn_postbox("--database-url", url, *args),
+    ]
     try:
         eventually(
             lambda: scalar(url, "SELECT count(*) FROM postbox.workers WHERE kind = 'maintenance'") == 2,
@@ -137,6 +142,15 @@ def test_two_maintain_processes_run_each_job_once_per_period(database):
             timeout=30,
             what="6 runs",
         )
+
+        def last_successes():
+            s = scrape(port)
+            ok = all(value(s, "postbox_maintenance_last_success_timestamp_seconds", job=j) > 0 for j in JOBS)
+            return s if ok else None
+
+        # Each job's cluster-wide last success, whichever process ran it, is a metric of both.
+        metrics_now = eventually(last_successes, what="last-success metrics")
+        assert value(metrics_now, "postbox_maintenance_runs_total", outcome="ok") >= 1
     finally:
         for p in procs:
             p.send_signal(signal.SIGTERM)
