@@ -116,14 +116,6 @@ def test_metrics_of_a_worker_after_a_scenario(database, observed_worker):
     port, _ = observed_worker
     _scenario(database.url)
 
-    def settled():
-        s = scrape(port)
-        done = value(s, "postbox_messages_processed_total", consumer="obs") == 7
-        gauges = value(s, "postbox_dead_letters_open", origin="inbox", queue="obs") == 1
-        backlog = value(s, "postbox_relay_backlog", destination="out") == 5
-        return s if done and gauges and backlog else None
-
-    s = eventually(settled, timeout=30, what="scenario reflected in /metrics")
     expected = {
         ("postbox_messages_processed_total", (("consumer", "obs"), ("type", "ok"))): 5,
         ("postbox_messages_processed_total", (("consumer", "obs"), ("type", "retry"))): 2,
@@ -165,9 +157,23 @@ def test_metrics_of_a_worker_after_a_scenario(database, observed_worker):
         ("postbox_relay_backlog", (("destination", "out"),)): 5,
         ("postbox_workers_live", (("kind", "worker"),)): 1,
     }
-    for (name, labels), want in expected.items():
-        got = value(s, name, **dict(labels))
-        assert got == want, f"{name}{dict(labels)}: {got} != {want}"
+    last: list[str] = []
+
+    def settled():
+        # Counters move as messages finish, gauges with each database snapshot: wait until the
+        # scrape shows the end state everywhere, then no figure may differ.
+        s = scrape(port)
+        last[:] = [
+            f"{name}{dict(labels)}: {value(s, name, **dict(labels))} != {want}"
+            for (name, labels), want in expected.items()
+            if value(s, name, **dict(labels)) != want
+        ]
+        return s if not last else None
+
+    try:
+        s = eventually(settled, timeout=30, what="scenario reflected in /metrics")
+    except AssertionError:
+        raise AssertionError(f"figures differ: {last}") from None
     assert value(s, "postbox_claim_duration_seconds_count", consumer="obs") >= 1
     assert value(s, "postbox_dead_letter_oldest_age_seconds", origin="inbox", queue="obs") >= 0
     assert value(s, "postbox_blocked_key_oldest_seconds", origin="inbox", queue="obs") >= 0
