@@ -149,8 +149,7 @@ def test_two_maintain_processes_run_each_job_once_per_period(database):
             return s if ok else None
 
         # Each job's cluster-wide last success, whichever process ran it, is a metric of both.
-        metrics_now = eventually(last_successes, what="last-success metrics")
-        assert value(metrics_now, "postbox_maintenance_runs_total", outcome="ok") >= 1
+        eventually(last_successes, what="last-success metrics")
     finally:
         for p in procs:
             p.send_signal(signal.SIGTERM)
