@@ -206,3 +206,40 @@ def test_unknown_job_is_refused(database):
     """A job name that does not exist is an error naming the known ones."""
     with pytest.raises(ValueError, match="dedup_prune"):
         Maintenance(database.url, jobs=["nope"])
+
+
+def test_gap_timeouts_stale_workers_and_orphaned_keys(database):
+    """The reporting and recovery jobs: a gapless key waiting past its gap_timeout is counted; a
+    process whose heartbeat stopped is forgotten and its claimed message made due at once."""
+    url = database.url
+    clock = FakeClock()
+    m = Maintenance(url, MaintenanceSettings(stale_after=30), clock=clock)
+    with psycopg.connect(url) as c:
+        service.declare_consumer(c, "ledger", sequence_mode="gapless", gap_timeout_seconds=60)
+        service.declare_consumer(c, "basic")
+        service.receive(c, consumer="ledger", message_id="s2", key="acct", sequence=2, payload=1)
+        service.receive(c, consumer="basic", message_id="m", key="k", payload=1)
+        c.commit()
+        # A claim (a worker's) notices the missing sequence 1 and records since when the key waits.
+        c.execute(
+            "SELECT * FROM postbox.inbox_claim_v1('ledger', 'w', 1, interval '1 minute', now())"
+        ).fetchall()
+        c.commit()
+    assert m.run_job("gap_timeouts") == 0  # waiting, but not for long
+    clock.advance(120)
+    assert m.run_job("gap_timeouts") == 1
+
+    with psycopg.connect(url, autocommit=True) as c:
+        c.execute(
+            "INSERT INTO postbox.workers (id, kind, queue, host, pid, heartbeat_at) "
+            "VALUES ('dead-one', 'worker', 'basic', 'h', 1, now() - interval '10 minutes')"
+        )
+        c.execute(
+            "SELECT * FROM postbox.inbox_claim_v1('basic', 'dead-one', 1, interval '1 hour', now())"
+        ).fetchall()
+    assert m.run_job("reap_stale_workers") == 1
+    assert scalar(url, "SELECT count(*) FROM postbox.workers WHERE id = 'dead-one'") == 0
+    # Due at the maintenance clock's now (120 s ahead of the server), no longer at the end of its 1-hour lease.
+    due = scalar(url, "SELECT available_at FROM postbox.inbox WHERE message_id = 'm'")
+    assert abs((due - clock.now()).total_seconds()) < 30
+    assert m.run_job("repair_keys") == 0  # nothing orphaned
