@@ -22,6 +22,7 @@ from typing import Any, Protocol
 import psycopg
 from pydantic import ValidationError
 
+from service import metrics
 from service.errors import InvalidMessage
 from service.messages import InboxMessage
 from service.producer import receive_many
@@ -265,6 +266,10 @@ class Bridge:
     def stop(self) -> None:
         self._stopping.set()
 
+    @property
+    def stopping(self) -> bool:
+        return self._stopping.is_set()
+
     def _message(self, item: Incoming) -> InboxMessage:
         if not item.message_id:
             raise InvalidMessage(
@@ -328,7 +333,13 @@ class Bridge:
                     try:
                         good.append((item, self._message(item)))
                     except InvalidMessage as error:
-                        log.warning("bridge rejects a message: %s", error)
+                        log.warning(
+                            "bridge rejects a message: %s",
+                            error,
+                            extra={"event": "bridge_rejected", "consumer": self.consumer,
+                                   "message_id": item.message_id, "key": item.key},
+                        )  # fmt: skip
+                        metrics.BRIDGE_MESSAGES.labels(self.consumer, "rejected").inc()
                         self.rejected += 1
                         self.source.reject(item)
                 if conn is None or conn.closed or conn.broken:
@@ -339,6 +350,8 @@ class Bridge:
                 self.received += sum(1 for r in results if r.is_new)
                 self.duplicates += sum(1 for r in results if not r.is_new)
                 for (_, m), r in zip(good, results, strict=True):
+                    outcome = "conflict" if r.is_conflict else "new" if r.is_new else "duplicate"
+                    metrics.BRIDGE_MESSAGES.labels(self.consumer, outcome).inc()
                     if r.is_conflict:
                         log.warning(
                             "bridge: %s arrived again with another payload (conflict, not stored)",

@@ -15,10 +15,11 @@ import sqlalchemy.exc
 from service import migrate as migrations
 from service.breaker import BreakerSettings
 from service.config import apply_policies, check_retention, configured_handlers, load_policies, sql_functions
+from service.deadletter_cli import register as register_deadletter_commands
 from service.embedded import resolve_database_url
 from service.errors import ConfigError
 from service.handlers import Registry
-from service.operations_cli import register as register_operations
+from service.ops_cli import observability_options, register_ops_commands, serve_metrics, setup_observability
 from service.policy import RetryPolicy
 from service.producer import declare_consumer
 from service.settings import Settings, load_settings, mask_url
@@ -48,10 +49,19 @@ def _url(ctx: click.Context) -> str:
 @click.group()
 @click.option("--config", type=click.Path(path_type=Path), help="TOML configuration file.")
 @click.option("--database-url", envvar="POSTBOX_DATABASE_URL", help="PostgreSQL URL (default: embedded).")
+@observability_options
 @click.pass_context
-def cli(ctx: click.Context, config: Path | None, database_url: str | None) -> None:
+def cli(
+    ctx: click.Context,
+    config: Path | None,
+    database_url: str | None,
+    log_format: str,
+    log_level: str,
+    metrics_port: int | None,
+) -> None:
     """Postbox: transactional inbox and outbox on PostgreSQL."""
     ctx.ensure_object(dict).update(config=config, database_url=database_url)
+    setup_observability(ctx, log_format, log_level, metrics_port)
 
 
 @cli.command()
@@ -199,6 +209,7 @@ def worker(
         w = Worker(url, registry, settings)
     except ValueError as error:
         raise click.ClickException(str(error)) from None
+    serve_metrics(ctx, _settings(ctx), url, w.ready)
     signals = {"count": 0}
 
     def on_signal(signum: int, frame: object) -> None:
@@ -270,6 +281,7 @@ def relay(
     except ValueError as error:
         raise click.ClickException(str(error)) from None
 
+    serve_metrics(ctx, settings_, url, r.ready)
     _stop_on_signals(r.stop, "relay stopping; the batch in flight finishes")
     r.run()
 
@@ -293,6 +305,7 @@ def bridge(ctx: click.Context, source_url: str, name: str, consumer: str, batch_
         raise click.BadParameter(str(error), param_hint="--from") from None
     b = Bridge(url, source, consumer, batch_size=batch_size, origin=name)
 
+    serve_metrics(ctx, _settings(ctx), url, lambda: not b.stopping)
     _stop_on_signals(b.stop, "bridge stopping")
     b.run()
 
@@ -307,7 +320,8 @@ def demo(ctx: click.Context) -> None:
     run_demo(s.database_url.get_secret_value() if s.database_url else None, s.embedded_data_dir)
 
 
-register_operations(cli)
+register_deadletter_commands(cli)
+register_ops_commands(cli)
 
 
 def main() -> None:

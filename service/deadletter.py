@@ -48,7 +48,7 @@ class DeadLetterFilter(BaseModel):
 
     ids: list[int] | None = None
     origin: Literal["inbox", "outbox"] | None = None
-    queue: str | None = Field(None, description="consumer or destination")
+    queue: str | None = Field(default=None, description="consumer or destination")
     consumer: str | None = None
     destination: str | None = None
     type: str | None = None
@@ -58,7 +58,7 @@ class DeadLetterFilter(BaseModel):
     message_id: str | None = None
     since: datetime | None = None
     until: datetime | None = None
-    status: str | None = Field(None, description="default open; 'any' for all")
+    status: str | None = Field(default=None, description="default open; 'any' for all")
 
     def to_json(self) -> str:
         return json.dumps(self.model_dump(mode="json", exclude_none=True))

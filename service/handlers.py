@@ -21,6 +21,7 @@ from sqlalchemy.orm import Session
 from service.classify import Classifier, Rule
 from service.messages import OutboxMessage
 from service.policy import RetryPolicy
+from service.tracing import child_headers
 
 __all__ = ["Context", "HandlerFunc", "HandlerSpec", "Message", "Registry"]
 
@@ -96,6 +97,7 @@ class Context:
 
         fields.setdefault("correlation_id", self.message.correlation_id or self.message.message_id)
         fields.setdefault("causation_id", self.message.message_id)
+        fields["headers"] = child_headers(self.message.headers, fields.get("headers"))
         return publish(self.conn, OutboxMessage(destination=destination, payload=payload, **fields))
 
     def _close_session(self) -> None:

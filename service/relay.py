@@ -21,11 +21,13 @@ from typing import Any
 
 import psycopg
 
+from service import metrics
 from service.classify import Classifier, fingerprint
 from service.clock import Clock, SystemClock
 from service.db import query
 from service.policy import DeadLetter, RetryAt, RetryPolicy, decide
 from service.runtime import Presence, Wakeup, process_id
+from service.tracing import trace_id
 from service.transports import OutboxRow, Transport
 
 __all__ = ["Relay", "RelaySettings"]
@@ -128,7 +130,10 @@ class Relay:
             )
         for t in [*self._loops, *self._helpers]:
             t.start()
-        log.info("relay started", extra={"worker": self.id, "destinations": sorted(self.transports)})
+        log.info(
+            "relay started",
+            extra={"event": "relay_started", "worker": self.id, "destinations": sorted(self.transports)},
+        )
 
     def run(self) -> None:
         self.start()
@@ -145,6 +150,10 @@ class Relay:
     @property
     def stopping(self) -> bool:
         return self._stopping.is_set()
+
+    def ready(self) -> bool:
+        """For ``/readyz``: running, and the last heartbeat reached the database in time."""
+        return not self.stopping and self.presence.healthy()
 
     def join(self, grace: float | None = None) -> None:
         """Wait for the loops to finish their batch (publishing and recording it)."""
@@ -245,6 +254,7 @@ class _Loop:
         if len(results) != len(rows):
             results = [RuntimeError("transport returned a wrong number of results")] * len(rows)
         duration_ms = (time.monotonic() - started) * 1000.0
+        metrics.RELAY_SECONDS.labels(self.destination).observe(duration_ms / 1000.0)
         now = self.relay.clock.now()
         published = [r for r, e in zip(rows, results, strict=True) if e is None]
         if published:
@@ -260,6 +270,7 @@ class _Loop:
             if error is not None:
                 self._record_failure(row, error, now, duration_ms)
         self.conn.commit()
+        metrics.RELAY_PUBLISHED.labels(self.destination).inc(len(published))
         self.relay._emit("published", destination=self.destination, ids=[r.id for r in published])
 
     def _record_failure(
@@ -281,12 +292,23 @@ class _Loop:
             "publish failed: %s",
             d.explanation,
             extra={
+                "event": "publish_failed",
+                "destination": self.destination,
                 "message_id": row.message_id,
                 "key": row.key,
+                "type": row.type,
                 "attempt": row.attempt,
                 "error_type": c.error_type,
+                "correlation_id": row.correlation_id,
+                "causation_id": row.causation_id,
+                "trace_id": trace_id(row.headers),
+                "worker": self.relay.id,
+                "decision": d.kind,
             },
         )
+        metrics.RELAY_FAILED.labels(self.destination, c.kind.value, c.error_type or "").inc()
+        if isinstance(d, DeadLetter):
+            metrics.RELAY_DEAD_LETTERED.labels(self.destination, d.reason).inc()
         if isinstance(d, RetryAt):
             self.conn.execute(query("outbox_retry").psycopg, {**common, "retry_at": d.at})
         else:

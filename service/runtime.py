@@ -8,6 +8,7 @@ import os
 import random
 import socket
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -108,6 +109,7 @@ class Presence:
         self.clock = clock
         self._stopping = stopping
         self._on_reaped = on_reaped
+        self._last_ok: float | None = None
 
     def beat(self, conn: psycopg.Connection[Any] | None = None) -> None:
         if conn is None:
@@ -120,6 +122,7 @@ class Presence:
             {"id": self.id, "kind": self.kind, "queue": self.queue, "host": socket.gethostname(),
              "pid": os.getpid(), "concurrency": self.concurrency, "version": _version(), "now": now},
         )  # fmt: skip
+        self._last_ok = time.monotonic()
         row = conn.execute(
             query("reap_stale_workers").psycopg, {"stale_after": self.stale_after, "now": now}
         ).fetchone()
@@ -127,6 +130,10 @@ class Presence:
             log.warning("released %s messages of stale processes", row[0])
             if self._on_reaped is not None:
                 self._on_reaped(int(row[0]))
+
+    def healthy(self) -> bool:
+        """The last heartbeat reached the database less than ``stale_after`` seconds ago."""
+        return self._last_ok is not None and time.monotonic() - self._last_ok < self.stale_after
 
     def beat_forever(self) -> None:
         """Run in a thread until stopping."""

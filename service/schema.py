@@ -393,3 +393,16 @@ replay_items = Table(
     ),
     Index("replay_items_dead_letter_idx", "dead_letter_id"),
 )
+
+maintenance_runs = Table(
+    "maintenance_runs",
+    metadata,
+    Column("job", _C, primary_key=True),
+    Column("runs", BigInteger, nullable=False, server_default=text("0")),
+    Column("last_started_at", _TS),
+    Column("last_finished_at", _TS),
+    Column("last_success_at", _TS),
+    Column("last_runner", Text),
+    Column("last_rows", BigInteger),
+    Column("last_error", Text),
+)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import tomllib
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import Field, SecretStr, ValidationError
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
@@ -36,6 +36,38 @@ class Settings(BaseSettings):
     )
     replay_window_seconds: float = Field(
         default=86400.0, ge=0, description="How long after dead-lettering a replay is expected."
+    )
+    # Observability and maintenance (service/metrics.py, service/logs.py, service/maintenance.py).
+    log_format: Literal["auto", "json", "text"] = Field(
+        default="auto", description="Log lines as JSON, text, or auto (text on a terminal, else JSON)."
+    )
+    log_level: Literal["debug", "info", "warning", "error"] = Field(
+        default="info", description="Level of the postbox loggers (debug adds a line per processed message)."
+    )
+    metrics_port: int = Field(
+        default=0, ge=0, le=65535, description="Port of /metrics, /healthz, /readyz (0: not served)."
+    )
+    metrics_host: str = Field(default="0.0.0.0", description="Address the metrics endpoint listens on.")  # noqa: S104
+    db_metrics_interval_seconds: float = Field(
+        default=15.0,
+        ge=0,
+        description="How often a process serving metrics reads the database gauges (0: never).",
+    )
+    attempts_retention_seconds: float = Field(
+        default=30 * 86400.0,
+        gt=0,
+        description="How long failed-attempt history is kept (not for open dead letters).",
+    )
+    dead_letter_retention_seconds: float = Field(
+        default=30 * 86400.0,
+        gt=0,
+        description="How long replayed, discarded and resolved dead letters are kept.",
+    )
+    maintenance_interval_seconds: float = Field(
+        default=60.0, gt=0, description="Period of the retention jobs of `postbox maintain`."
+    )
+    maintenance_batch_size: int = Field(
+        default=1000, ge=1, le=100_000, description="Rows a retention job deletes per transaction."
     )
 
     @classmethod

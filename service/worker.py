@@ -27,11 +27,13 @@ from sqlalchemy.engine import Engine, RootTransaction
 from sqlalchemy.orm import Session
 from sqlalchemy.pool import StaticPool
 
+from service import metrics
 from service.breaker import BreakerSettings, BreakerState, CircuitBreaker
 from service.classify import Classification, Classifier, fingerprint
 from service.clock import Clock, SystemClock
 from service.db import query
 from service.handlers import Context, Message, Registry
+from service.logs import message_fields
 from service.outcomes import Permanent
 from service.policy import DeadLetter, FailureKind, RetryAt, RetryPolicy, decide
 from service.runtime import Presence, Wakeup, process_id
@@ -155,8 +157,12 @@ class Worker:
             )
         for t in self._threads:
             t.start()
+        metrics.record_breaker(self.settings.consumer, self.breaker.state.value)
         self._emit("started", worker=self.id)
-        log.info("worker started", extra={"worker": self.id, "consumer": self.settings.consumer})
+        log.info(
+            "worker started",
+            extra={"event": "worker_started", "worker": self.id, "consumer": self.settings.consumer},
+        )
 
     def run(self) -> None:
         self.start()
@@ -198,6 +204,10 @@ class Worker:
     @property
     def stopping(self) -> bool:
         return self._stopping.is_set()
+
+    def ready(self) -> bool:
+        """For ``/readyz``: running, and the last heartbeat reached the database in time."""
+        return not self.stopping and self.presence.healthy()
 
     def _reaped(self, released: int) -> None:
         self._emit("reaped", released=released)
@@ -244,6 +254,7 @@ class _Slot:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._engine: Engine | None = None
         self._sa: tuple[SAConnection, RootTransaction] | None = None
+        self._durations: dict[int, float] = {}
 
     # --- connection ------------------------------------------------------------------------
 
@@ -352,6 +363,7 @@ class _Slot:
         now = self.worker.clock.now()
         # The claim is a transaction of its own: one statement in autocommit, one round trip.
         self.conn.autocommit = True
+        started = time.monotonic()
         try:
             rows = self.conn.execute(
                 query("inbox_claim").psycopg,
@@ -362,6 +374,7 @@ class _Slot:
             if not self.conn.closed:
                 self.conn.autocommit = False
         batch = [Message.model_construct(**dict(zip(_MESSAGE_FIELDS, r, strict=True))) for r in rows]
+        metrics.record_claim(self.settings.consumer, batch, time.monotonic() - started)
         if batch:
             self.worker._emit("claimed", ids=[m.id for m in batch])
         return batch
@@ -375,6 +388,7 @@ class _Slot:
         failures: list[_Failure] = []
         unrun: list[Message] = []
         in_flight: Message | None = None
+        self._durations = {}
         try:
             savepoint = False
             for i, message in enumerate(batch):
@@ -391,9 +405,12 @@ class _Slot:
                 conn.execute("RELEASE SAVEPOINT m; SAVEPOINT m" if savepoint else "SAVEPOINT m")
                 savepoint = True
                 in_flight = message
+                metrics.record_start(message, self.worker.clock.now())
                 started = time.monotonic()
                 error = self._run_handler(message)
                 duration_ms = (time.monotonic() - started) * 1000.0
+                metrics.record_handler(message, duration_ms / 1000.0)
+                self._durations[message.id] = duration_ms
                 in_flight = None
                 if conn.info.transaction_status is psycopg.pq.TransactionStatus.IDLE:
                     raise _HandlerEndedTransaction(message)
@@ -432,6 +449,7 @@ class _Slot:
         before = self.worker.breaker.state
         after = self.worker.breaker.record(transient_failure)
         if after is not before:
+            metrics.record_breaker(self.settings.consumer, after.value)
             level = logging.WARNING if after is BreakerState.OPEN else logging.INFO
             log.log(level, "circuit %s for consumer %s", after.value, self.settings.consumer)
             self.worker._emit(f"breaker_{after.value}", consumer=self.settings.consumer)
@@ -521,7 +539,14 @@ class _Slot:
         log.info(
             "attempt failed: %s",
             decision.explanation,
-            extra=_log_fields(message, classification.error_type),
+            extra=_log_fields(
+                message,
+                classification.error_type,
+                event="attempt_failed",
+                worker=self.worker.id,
+                decision="retry" if isinstance(decision, RetryAt) else "dead_letter",
+                duration_ms=None if duration_ms is None else round(duration_ms, 3),
+            ),
         )
         return _Failure(
             message,
@@ -575,10 +600,45 @@ class _Slot:
                 {"ids": [m.id for m in unrun], "attempts": [m.attempt for m in unrun], "now": now},
             )
         self._commit()
+        self._observe(done, failures, now)
         if done:
             self.worker._emit("completed", ids=[m.id for m in done])
         for f in failures:
             self.worker._emit(f.decision.kind, id=f.message.id, reason=f.decision.explanation)
+
+    def _observe(self, done: list[Message], failures: list[_Failure], now: datetime) -> None:
+        """Metrics and log lines of a committed batch."""
+        durations, self._durations = self._durations, {}
+        debug = log.isEnabledFor(logging.DEBUG)
+        for m in done:
+            metrics.record_success(m, now)
+            if debug:
+                duration = durations.get(m.id)
+                log.debug(
+                    "message processed",
+                    extra=_log_fields(
+                        m,
+                        event="message_processed",
+                        worker=self.worker.id,
+                        duration_ms=None if duration is None else round(duration, 3),
+                    ),
+                )
+        for f in failures:
+            reason = f.decision.reason if isinstance(f.decision, DeadLetter) else None
+            metrics.record_failure(f.message, f.kind, f.classification.error_type, reason)
+            if reason is not None:
+                log.warning(
+                    "message dead-lettered (%s): %s",
+                    reason,
+                    f.decision.explanation,
+                    extra=_log_fields(
+                        f.message,
+                        f.classification.error_type,
+                        event="message_dead_lettered",
+                        worker=self.worker.id,
+                        reason=reason,
+                    ),
+                )
 
     def _write_failure(self, f: _Failure, now: datetime) -> None:
         assert self.conn is not None
@@ -633,12 +693,5 @@ async def _awaitable(value: Any) -> Any:
     return await value
 
 
-def _log_fields(message: Message, error_type: str | None = None) -> dict[str, Any]:
-    return {
-        "message_id": message.message_id,
-        "key": message.key,
-        "sequence": message.sequence,
-        "attempt": message.attempt,
-        "correlation_id": message.correlation_id,
-        "error_type": error_type,
-    }
+def _log_fields(message: Message, error_type: str | None = None, **more: Any) -> dict[str, Any]:
+    return message_fields(message, error_type=error_type, **more)

@@ -20,6 +20,10 @@ from pytest_postgresql.janitor import DatabaseJanitor
 
 from service import migrate
 
+# Postbox processes started by tests log warnings and errors only (unless a test asks for more):
+# several tests read their stderr through a pipe only at the end, and a full pipe would block them.
+os.environ.setdefault("POSTBOX_LOG_LEVEL", "warning")
+
 
 @dataclass(frozen=True)
 class Server:

@@ -323,3 +323,17 @@ CREATE INDEX replay_items_open_idx ON postbox.replay_items (job_id, state) WHERE
 CREATE INDEX replay_items_dead_letter_idx ON postbox.replay_items (dead_letter_id);
 COMMENT ON TABLE postbox.replay_items IS 'The dead letters a replay job covers, in replay order (per queue and key, in sequence order), and what became of each.';
 COMMENT ON COLUMN postbox.replay_items.action IS 'What the replay did (or, in a dry run, would do) with the dead letter.';
+
+CREATE TABLE postbox.maintenance_runs (
+    job               text COLLATE "C" PRIMARY KEY,
+    runs              bigint NOT NULL DEFAULT 0,
+    last_started_at   timestamptz,
+    last_finished_at  timestamptz,
+    last_success_at   timestamptz,
+    last_runner       text,
+    last_rows         bigint,
+    last_error        text
+);
+COMMENT ON TABLE postbox.maintenance_runs IS 'Maintenance jobs (postbox maintain): when each last ran, by which process, with what result. A job runs at most once per period across every maintenance process.';
+COMMENT ON COLUMN postbox.maintenance_runs.runs IS 'How many times the job has started, all processes together.';
+COMMENT ON COLUMN postbox.maintenance_runs.last_rows IS 'Rows the last run deleted, released or repaired.';

@@ -1,4 +1,4 @@
-"""Operator commands: ``postbox dlq …``, ``postbox replay …``, ``postbox keys …``, ``postbox consumer …``.
+"""Dead-letter commands: ``postbox dlq …``, ``postbox replay …``, ``postbox keys …``, ``postbox consumer …``.
 
 Tables for people, ``--json`` for scripts. Every command that changes something needs ``--reason``
 and records ``--actor`` (default: ``$POSTBOX_ACTOR`` or the OS user) in ``postbox.audit_log``. Each

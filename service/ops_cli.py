@@ -1,0 +1,243 @@
+"""Operations commands (``postbox maintain``, ``postbox status``, ``postbox config check``) and the
+observability options every command shares (``--log-format``, ``--log-level``, ``--metrics-port``).
+
+Registered on the ``postbox`` group by :func:`register_ops_commands`.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import click
+import psycopg
+
+from service.embedded import resolve_database_url
+from service.errors import ConfigError
+from service.logs import configure_logging
+from service.settings import Settings, load_settings, mask_url
+
+__all__ = ["observability_options", "register_ops_commands", "serve_metrics", "setup_observability"]
+
+_LEVELS = click.Choice(["debug", "info", "warning", "error"], case_sensitive=False)
+
+
+def observability_options(f: Callable[..., Any]) -> Callable[..., Any]:
+    """The group's options for logs and metrics (also settable as POSTBOX_… variables)."""
+    f = click.option(
+        "--metrics-port",
+        type=click.IntRange(0, 65535),
+        default=None,
+        help="Serve /metrics, /healthz, /readyz on this port (env POSTBOX_METRICS_PORT; 0: off, the default).",
+    )(f)
+    f = click.option(
+        "--log-level",
+        type=_LEVELS,
+        envvar="POSTBOX_LOG_LEVEL",
+        default="info",
+        show_default=True,
+        help="debug adds a line per processed message.",
+    )(f)
+    f = click.option(
+        "--log-format",
+        type=click.Choice(["auto", "json", "text"]),
+        envvar="POSTBOX_LOG_FORMAT",
+        default="auto",
+        show_default=True,
+        help="JSON lines, text, or auto (text on a terminal, JSON otherwise).",
+    )(f)
+    return f
+
+
+def setup_observability(
+    ctx: click.Context, log_format: str, log_level: str, metrics_port: int | None
+) -> None:
+    configure_logging(log_format, log_level.lower())
+    ctx.ensure_object(dict)["metrics_port"] = metrics_port
+
+
+def _settings(ctx: click.Context) -> Settings:
+    obj = ctx.ensure_object(dict)
+    if "settings" not in obj:
+        try:
+            obj["settings"] = load_settings(obj.get("config"), database_url=obj.get("database_url"))
+        except ConfigError as error:
+            raise click.ClickException(str(error)) from None
+    settings: Settings = obj["settings"]
+    return settings
+
+
+def _url(ctx: click.Context) -> str:
+    s = _settings(ctx)
+    return resolve_database_url(
+        s.database_url.get_secret_value() if s.database_url else None, s.embedded_data_dir
+    )
+
+
+def serve_metrics(ctx: click.Context, settings: Settings, url: str, ready: Callable[[], bool]) -> Any:
+    """Start the metrics endpoint of this process if a port is configured."""
+    from service.metrics import start_observability
+
+    port = ctx.ensure_object(dict).get("metrics_port")
+    return start_observability(
+        url,
+        port=settings.metrics_port if port is None else port,
+        host=settings.metrics_host,
+        ready=ready,
+        db_interval=settings.db_metrics_interval_seconds,
+    )
+
+
+# --- postbox maintain -------------------------------------------------------------------------
+
+
+@click.command()
+@click.option("--job", "jobs", multiple=True, help="Run only this job (repeatable; default: all).")
+@click.option(
+    "--period",
+    type=click.FloatRange(min=0.01),
+    default=None,
+    help="Seconds between runs of every job (default: each job's own period).",
+)
+@click.option("--once", is_flag=True, help="Run each due job once, then exit (for cron).")
+@click.option("--stale-after", default=30.0, show_default=True, type=click.FloatRange(min=0.02))
+@click.pass_context
+def maintain(
+    ctx: click.Context, jobs: tuple[str, ...], period: float | None, once: bool, stale_after: float
+) -> None:
+    """Run the maintenance jobs (retention, dedup pruning, stale workers, key repairs, gap timeouts)
+    on their schedule until SIGTERM/SIGINT. Safe to run in several processes: each job runs once
+    per period across all of them."""
+    import signal
+
+    from service.maintenance import JOBS, Maintenance, MaintenanceSettings
+
+    s = _settings(ctx)
+    url = _url(ctx)
+    settings = MaintenanceSettings(
+        dedup_retention_seconds=s.dedup_retention_seconds,
+        attempts_retention_seconds=s.attempts_retention_seconds,
+        dead_letter_retention_seconds=s.dead_letter_retention_seconds,
+        batch_size=s.maintenance_batch_size,
+        stale_after=stale_after,
+        periods=(
+            dict.fromkeys(JOBS, period)
+            if period is not None
+            else {"dedup_prune": s.maintenance_interval_seconds}
+        ),
+    )
+    try:
+        m = Maintenance(url, settings, jobs=list(jobs) or None)
+    except ValueError as error:
+        raise click.BadParameter(str(error), param_hint="--job") from None
+    if once:
+        ran = m.run_once()
+        for job, did in ran.items():
+            click.echo(f"{job}: {'ran' if did else 'not due (or running elsewhere)'}")
+        return
+    serve_metrics(ctx, s, url, m.ready)
+
+    def on_signal(signum: int, frame: object) -> None:
+        click.echo(f"postbox: maintenance stopping (signal {signum})", err=True)
+        m.stop()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    m.run()
+
+
+# --- postbox status ---------------------------------------------------------------------------
+
+
+@click.command()
+@click.option("--watch", is_flag=True, help="Refresh every --interval seconds until interrupted.")
+@click.option("--interval", default=2.0, show_default=True, type=click.FloatRange(min=0.1))
+@click.option("--json", "as_json", is_flag=True, help="Print the status as JSON.")
+@click.pass_context
+def status(ctx: click.Context, watch: bool, interval: float, as_json: bool) -> None:
+    """Consumers, live workers, lag, retries in flight, blocked keys, dead letters, relay backlog
+    and running replays, at a glance."""
+    from service.status import collect_status, render_status
+
+    url = _url(ctx)
+    with psycopg.connect(url, connect_timeout=10, application_name="postbox-status") as conn:
+        while True:
+            data = collect_status(conn)
+            if as_json:
+                click.echo(json.dumps(data, default=str))
+            else:
+                if watch and sys.stdout.isatty():
+                    click.clear()
+                click.echo(render_status(data), nl=False)
+            if not watch:
+                return
+            try:
+                time.sleep(interval)  # a refresh period for a human, not synchronisation
+            except KeyboardInterrupt:
+                return
+
+
+# --- postbox config check ---------------------------------------------------------------------
+
+_SECRET_NAME = re.compile(
+    r"(password|passwd|secret|token|api_?key|credential|authorization|cookie)", re.IGNORECASE
+)
+_URL_CREDENTIALS = re.compile(r"([a-z][a-z0-9+.\-]*://[^:/@\s]*):([^@\s]*)@", re.IGNORECASE)
+
+
+def mask_secrets(value: Any, name: str = "") -> Any:
+    """``value`` with secrets masked: passwords in URLs, and any value whose name says it is a
+    password, secret, token or key (names ending in ``_env`` hold a variable's name, not a secret)."""
+    if isinstance(value, dict):
+        return {k: mask_secrets(v, str(k)) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [mask_secrets(v, name) for v in value]
+    if _SECRET_NAME.search(name) and not name.endswith("_env") and value not in (None, ""):
+        return "***"
+    if isinstance(value, str):
+        return _URL_CREDENTIALS.sub(r"\1:***@", value)
+    return value
+
+
+@click.group()
+def config() -> None:
+    """Inspect the configuration."""
+
+
+@config.command("check")
+@click.pass_context
+def config_check(ctx: click.Context) -> None:
+    """Print the effective configuration (environment, file, defaults; secrets masked) and exit
+    non-zero with the validation errors, if any."""
+    from service.config import load_policies
+
+    obj = ctx.find_root().ensure_object(dict)
+    errors: list[str] = []
+    effective: dict[str, Any] = {}
+    try:
+        s = load_settings(obj.get("config"), database_url=obj.get("database_url"))
+        dumped = s.model_dump(mode="json")
+        dumped["database_url"] = mask_url(s.database_url.get_secret_value()) if s.database_url else None
+        effective["postbox"] = dumped
+        path = obj.get("config") or s.config
+        if path is not None:
+            policies = load_policies(path)
+            effective.update(policies.model_dump(mode="json", exclude_defaults=False))
+    except ConfigError as error:
+        errors.append(str(error))
+    click.echo(json.dumps(mask_secrets(effective), indent=2, default=str))
+    if errors:
+        for e in errors:
+            click.echo(f"postbox: {mask_secrets(e)}", err=True)
+        sys.exit(1)
+    click.echo("postbox: configuration is valid", err=True)
+
+
+def register_ops_commands(group: click.Group) -> None:
+    group.add_command(maintain)
+    group.add_command(status)
+    group.add_command(config)

@@ -1,0 +1,124 @@
+"""`postbox status` and `postbox config check` from the command line."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import psycopg
+
+import service
+from tests.helpers import REPO
+
+
+def postbox(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "service", *args],
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO), **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+
+
+def test_status_shows_consumers_lag_dead_letters_backlog_and_replays(database):
+    """status --json and the text screen show each consumer's live messages, the relay backlog,
+    dead-letter groups, live processes, and running replays once postbox.replay_jobs exists."""
+    url = database.url
+    with psycopg.connect(url) as c:
+        service.receive_many(
+            c, [{"consumer": "billing", "message_id": f"m{i}", "key": "k", "payload": i} for i in range(3)]
+        )
+        service.publish(c, destination="emails", key="k", payload={"x": 1})
+        c.execute(
+            """INSERT INTO postbox.dead_letters (origin, origin_id, consumer, message_id, key, position, payload,
+                   received_at, attempt, reason, ordering_policy, last_error, fingerprint)
+               VALUES ('inbox', 999, 'billing', 'gone', 'k2', 1, '1', now(), 3, 'attempts_exhausted', 'skip',
+                       'boom', 'RuntimeError: boom')"""
+        )
+        c.commit()
+    r = postbox("--database-url", url, "status", "--json")
+    assert r.returncode == 0, r.stderr
+    s = json.loads(r.stdout)
+    billing = next(x for x in s["consumers"] if x["name"] == "billing")
+    assert (billing["ready"], billing["pending"], billing["blocked_keys"]) == (1, 2, 0)
+    assert billing["lag_seconds"] >= 0
+    assert s["relay"][0]["destination"] == "emails" and s["relay"][0]["rows"] == 1
+    assert s["dead_letters"][0]["open"] == 1 and s["dead_letters"][0]["reason"] == "attempts_exhausted"
+    assert s["replays"] == []
+
+    with psycopg.connect(url, autocommit=True) as c:  # a finished dry run, and a running replay job
+        dry = c.execute(
+            """SELECT postbox.dlq_replay('{"queue": "billing"}', reason => 'look', dry_run => true)"""
+        ).fetchone()[0]
+        c.execute("SELECT postbox.replay_step(%s)", (dry,))
+        job = c.execute(
+            """SELECT postbox.dlq_replay('{"queue": "billing"}', reason => 'fixed')"""
+        ).fetchone()[0]
+        assert c.execute("SELECT (postbox.replay_step(%s)).state", (job,)).fetchone()[0] == "running"
+    r = postbox("--database-url", url, "status")
+    assert r.returncode == 0, r.stderr
+    text = r.stdout
+    for expected in (
+        "Consumers",
+        "billing",
+        "Live processes",
+        "Dead letters: 0 open",  # the one dead letter was sent back by the running replay
+        "emails",
+        "Replays",
+        "running",
+    ):
+        assert expected in text, text
+    assert "done" not in text.split("Replays", 1)[1].split("\n\n", 1)[0]
+
+
+def test_config_check_masks_secrets_and_reports_errors(tmp_path):
+    """config check prints the effective configuration with no password or token in it, exit 0;
+    with an invalid setting it names the setting and exits 1, still without secrets."""
+    config = tmp_path / "postbox.toml"
+    config.write_text(
+        """
+[postbox]
+dedup_retention_seconds = 1209600
+
+[consumers.billing]
+retry = { max_attempts = 5 }
+
+[destinations.orders]
+kind = "rabbitmq"
+url = "amqp://app:rabbit-pw-42@mq.internal:5672/%2F"
+
+[destinations.partner]
+kind = "http"
+url = "https://partner.example/hooks"
+hmac_secret_env = "PARTNER_SECRET"
+headers = { "Authorization" = "Bearer tok-abc-123" }
+"""
+    )
+    env = {
+        "POSTBOX_DATABASE_URL": "postgresql://app:db-pw-99@db.internal:5432/app",
+        "POSTBOX_METRICS_PORT": "9464",
+    }
+    r = postbox("--config", str(config), "config", "check", env=env)
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out
+    for secret in ("db-pw-99", "rabbit-pw-42", "tok-abc-123"):
+        assert secret not in out
+    effective = json.loads(r.stdout)
+    assert effective["postbox"]["database_url"] == "postgresql://app:***@db.internal:5432/app"
+    assert effective["postbox"]["metrics_port"] == 9464
+    assert effective["postbox"]["dedup_retention_seconds"] == 1209600
+    assert effective["destinations"]["partner"]["hmac_secret_env"] == "PARTNER_SECRET"
+    assert effective["consumers"]["billing"]["retry"] == {"max_attempts": 5}
+
+    config.write_text(config.read_text().replace("max_attempts = 5", "max_attempts = 0"))
+    r = postbox("--config", str(config), "config", "check", env={**env, "POSTBOX_LOG_LEVEL": "error"})
+    out = r.stdout + r.stderr
+    assert r.returncode == 1
+    assert "max_attempts" in r.stderr
+    for secret in ("db-pw-99", "rabbit-pw-42", "tok-abc-123"):
+        assert secret not in out
