@@ -11,8 +11,10 @@ import random
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
+import typing
 from dataclasses import dataclass, field
 
 import psycopg
@@ -162,21 +164,31 @@ class WorkerPool:
         ]
         self.env = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
         self.procs: list[subprocess.Popen[bytes]] = []
+        self._logs: dict[int, typing.IO[bytes]] = {}
         self.kills = 0
         self.restarts = 0
         for _ in range(processes):
             self.procs.append(self._spawn())
 
     def _spawn(self) -> subprocess.Popen[bytes]:
-        return subprocess.Popen(
-            self.args, env=self.env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
-        )
+        # stderr goes to a file, never an unread pipe: a full pipe would block a chatty worker.
+        log = tempfile.TemporaryFile()  # noqa: SIM115 - lives as long as the process
+        proc = subprocess.Popen(self.args, env=self.env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=log)
+        self._logs[proc.pid] = log
+        return proc
+
+    def stderr_of(self, proc: subprocess.Popen[bytes]) -> str:
+        log = self._logs.get(proc.pid)
+        if log is None:
+            return ""
+        log.seek(0)
+        return log.read().decode(errors="replace")
 
     def keep_alive(self) -> None:
         for i, p in enumerate(self.procs):
             if p.poll() is not None:
                 if p.returncode not in (-signal.SIGKILL, 0, -signal.SIGTERM):
-                    err = p.stderr.read().decode() if p.stderr else ""
+                    err = self.stderr_of(p)
                     raise AssertionError(f"worker exited with {p.returncode}: {err[-2000:]}")
                 self.procs[i] = self._spawn()
                 self.restarts += 1
