@@ -12,38 +12,25 @@ import click
 import psycopg
 import sqlalchemy.exc
 
+from service import cli_context
 from service import migrate as migrations
 from service.breaker import BreakerSettings
 from service.config import apply_policies, check_retention, configured_handlers, load_policies, sql_functions
 from service.deadletter_cli import register as register_deadletter_commands
-from service.embedded import resolve_database_url
 from service.errors import ConfigError
 from service.handlers import Registry
 from service.ops_cli import observability_options, register_ops_commands, serve_metrics, setup_observability
 from service.policy import RetryPolicy
 from service.producer import declare_consumer
-from service.settings import Settings, load_settings, mask_url
+from service.settings import mask_url
 from service.sql_handlers import check_function_exists
 from service.worker import Worker, WorkerSettings
 
 __all__ = ["main"]
 
 
-def _settings(ctx: click.Context) -> Settings:
-    obj = ctx.ensure_object(dict)
-    if "settings" not in obj:
-        try:
-            obj["settings"] = load_settings(obj.get("config"), database_url=obj.get("database_url"))
-        except ConfigError as error:
-            raise click.ClickException(str(error)) from None
-    settings: Settings = obj["settings"]
-    return settings
-
-
-def _url(ctx: click.Context) -> str:
-    s = _settings(ctx)
-    configured = s.database_url.get_secret_value() if s.database_url else None
-    return resolve_database_url(configured, s.embedded_data_dir)
+_settings = cli_context.settings
+_url = cli_context.database_url
 
 
 @click.group()

@@ -24,6 +24,7 @@ import click
 import psycopg
 
 from service import deadletter, replay
+from service.cli_context import database_url
 from service.deadletter import DeadLetterFilter
 from service.errors import InvalidRequest
 from service.replay import ReplayJob, ReplayOptions, ReplayRunner
@@ -37,10 +38,8 @@ __all__ = ["register"]
 @contextmanager
 def _connection(ctx: click.Context) -> Iterator[psycopg.Connection[Any]]:
     """An autocommit connection to the configured database; bad input becomes a clean error."""
-    from service.cli import _url  # the root command owns configuration
-
     try:
-        with psycopg.connect(_url(ctx), autocommit=True, application_name="postbox cli") as conn:
+        with psycopg.connect(database_url(ctx), autocommit=True, application_name="postbox cli") as conn:
             yield conn
     except InvalidRequest as error:
         raise click.ClickException(str(error)) from None
@@ -444,9 +443,7 @@ def _report(job: ReplayJob, as_json: bool) -> None:
 
 
 def _run_in_foreground(ctx: click.Context, job_id: int, as_json: bool) -> ReplayJob:
-    from service.cli import _url
-
-    runner = ReplayRunner(_url(ctx), runner_id=f"cli-{os.getpid()}")
+    runner = ReplayRunner(database_url(ctx), runner_id=f"cli-{os.getpid()}")
     tty = sys.stderr.isatty() and not as_json
     last = [""]
 
@@ -533,9 +530,9 @@ def replay_status(
 @click.pass_context
 def replay_run(ctx: click.Context, poll_interval: float) -> None:
     """Run replay jobs (every pending or running one) until stopped (SIGTERM/SIGINT)."""
-    from service.cli import _stop_on_signals, _url
+    from service.cli import _stop_on_signals
 
-    runner = ReplayRunner(_url(ctx), poll_interval=poll_interval, runner_id=f"runner-{os.getpid()}")
+    runner = ReplayRunner(database_url(ctx), poll_interval=poll_interval, runner_id=f"runner-{os.getpid()}")
     _stop_on_signals(runner.stop, "replay runner stopping")
     runner.serve()
 

@@ -16,7 +16,7 @@ from typing import Any
 import click
 import psycopg
 
-from service.embedded import resolve_database_url
+from service import cli_context
 from service.errors import ConfigError
 from service.logs import configure_logging
 from service.settings import Settings, load_settings, mask_url
@@ -60,22 +60,8 @@ def setup_observability(
     ctx.ensure_object(dict)["metrics_port"] = metrics_port
 
 
-def _settings(ctx: click.Context) -> Settings:
-    obj = ctx.ensure_object(dict)
-    if "settings" not in obj:
-        try:
-            obj["settings"] = load_settings(obj.get("config"), database_url=obj.get("database_url"))
-        except ConfigError as error:
-            raise click.ClickException(str(error)) from None
-    settings: Settings = obj["settings"]
-    return settings
-
-
-def _url(ctx: click.Context) -> str:
-    s = _settings(ctx)
-    return resolve_database_url(
-        s.database_url.get_secret_value() if s.database_url else None, s.embedded_data_dir
-    )
+_settings = cli_context.settings
+_url = cli_context.database_url
 
 
 def serve_metrics(ctx: click.Context, settings: Settings, url: str, ready: Callable[[], bool]) -> Any:
