@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import importlib
 import itertools
+import json
 import re
 import shlex
 import tomllib
@@ -113,7 +114,9 @@ def prose_lines(text: str) -> Iterator[tuple[int, str]]:
             yield number, line
 
 
-SQL_START = re.compile(r"^(SELECT|WITH|SET|ALTER|GRANT|REVOKE|INSERT|UPDATE|DELETE|CREATE|DROP)\s", re.I)
+SQL_START = re.compile(
+    r"^(SELECT|WITH|SET|ALTER|GRANT|REVOKE|INSERT|UPDATE|DELETE|CREATE|DROP|EXPLAIN|CALL|VACUUM|TRUNCATE|DO)\s"
+)
 # An inline span with an ellipsis is a fragment of a statement (``SELECT … FOR UPDATE SKIP LOCKED``),
 # quoted to name a technique, not a statement to run.
 ELISION = ("…", "...")
@@ -365,9 +368,23 @@ MAY_BE_EMPTY = {
 }
 
 
+# The README's own transaction control runs as a savepoint inside the block's transaction, which is
+# rolled back in the end (so the roles it needs never outlive it).
+TRANSACTION_CONTROL = {
+    r"(BEGIN|START TRANSACTION)( TRANSACTION| WORK)?": "SAVEPOINT readme",
+    r"(COMMIT|END)( TRANSACTION| WORK)?": "RELEASE SAVEPOINT readme",
+    r"ROLLBACK( TRANSACTION| WORK)?": "ROLLBACK TO SAVEPOINT readme",
+}
+# Statements PostgreSQL refuses inside a transaction block: run on their own connection, in autocommit.
+OUTSIDE_TRANSACTION = re.compile(
+    r"^(VACUUM|CREATE INDEX CONCURRENTLY|REINDEX\b.*\bCONCURRENTLY|CHECKPOINT)\b", re.I
+)
+
+
 def run_sql(db: Database, text: str, where: str) -> None:
     """Run every statement of ``text`` in one transaction (rolled back, as the README's roles exist
-    only there) in the README's world; the first failing statement fails with its text."""
+    only there) in the README's world; the first failing statement fails with its text, and so does
+    a query that finds nothing (unless it is one of ``MAY_BE_EMPTY``)."""
     with db.connect() as c:
         for role in WORLD_ROLES:
             c.execute(
@@ -378,10 +395,19 @@ def run_sql(db: Database, text: str, where: str) -> None:
         text = re.sub(r"\bDATABASE app\b", f'DATABASE "{db.name}"', text)
         statements = split_sql(text)
         assert statements, f"{where}: no SQL statement"
+        assert not re.search(r"^ALTER SYSTEM\b", text, re.I | re.M), f"{where}: ALTER SYSTEM is not run here"
         for statement in statements:
+            for pattern, replacement in TRANSACTION_CONTROL.items():
+                if re.fullmatch(pattern, statement, re.I):
+                    statement = replacement
             try:
-                cursor = c.execute(statement.encode())
-                rows = cursor.fetchall() if cursor.description is not None else None
+                if OUTSIDE_TRANSACTION.match(statement):
+                    with db.connect(autocommit=True) as other:
+                        cursor = other.execute(statement.encode())
+                        rows = cursor.fetchall() if cursor.description is not None else None
+                else:
+                    cursor = c.execute(statement.encode())
+                    rows = cursor.fetchall() if cursor.description is not None else None
             except psycopg.Error as error:
                 pytest.fail(
                     f"{where}: the README's SQL fails:\n{statement}\n-> {type(error).__name__}: {error}"
@@ -389,6 +415,16 @@ def run_sql(db: Database, text: str, where: str) -> None:
             if rows == [] and not any(re.search(p, statement) for p in MAY_BE_EMPTY):
                 pytest.fail(f"{where}: the README's query finds nothing in the README's world:\n{statement}")
         c.rollback()
+
+
+def test_sql_transaction_control_and_maintenance_statements_run(world):
+    """A snippet's BEGIN/COMMIT/ROLLBACK become a savepoint in the block's transaction (which is
+    rolled back); VACUUM runs on its own connection; a failing statement or an empty query fails."""
+    run_sql(world, "BEGIN; SELECT 1; COMMIT; BEGIN; SELECT 2; ROLLBACK; VACUUM postbox.inbox;", "here")
+    with pytest.raises(pytest.fail.Exception, match="finds nothing"):
+        run_sql(world, "SELECT * FROM postbox.dead_letters WHERE id = 4242", "here")
+    with pytest.raises(pytest.fail.Exception, match="UndefinedTable"):
+        run_sql(world, "SELECT * FROM postbox.no_such_view", "here")
 
 
 # --- shell ------------------------------------------------------------------------------------
@@ -671,30 +707,34 @@ def test_usage_notation_is_expanded_into_real_command_lines():
 
 
 @pytest.mark.parametrize(
-    "line",
+    ("line", "complaint"),
     [
-        "postbox wrker --consumer billing",
-        "postbox dlq lst",
-        "postbox worker --consumer billing --concurency 4",
-        "postbox worker --app module:registry",
-        "postbox relay --batch-size many",
-        "postbox replay pause|resme JOB --reason x",
-        "make no-such-target",
-        "docker compose exec -T no-such-service psql -c 'SELECT 1'",
-        "docker compose up --scale no-such-service=3",
-        "kubectl apply -f postbox.yaml",
-        "postbox --config postbox.toml relay --destination nowhere",
-        "postbox --config postbox.toml worker --consumer nobody",
-        "postbox worker --consumer billing --app service.examples.orders:registry",
+        ("postbox wrker --consumer billing", "No such command 'wrker'"),
+        ("postbox dlq lst", "No such command 'lst'"),
+        ("postbox worker --consumer billing --concurency 4", "No such option '--concurency'"),
+        ("postbox worker --app module:registry", "Missing option '--consumer'"),
+        ("postbox relay --batch-size many", "Invalid value for '--batch-size'"),
+        ("postbox replay pause|resme JOB --reason x", "No such command 'resme'"),
+        ("postbox --config postbox.toml relay --destination nowhere", "not in the README's postbox.toml"),
+        ("postbox --config postbox.toml worker --consumer nobody", "nobody has no handlers"),
+        ("postbox worker --consumer billing --app service.examples.orders:registry", "no such consumer"),
+        ("make no-such-target", "no Makefile target"),
+        ("docker compose exec -T no-such-service psql -c 'SELECT 1'", "no service {'no-such-service'}"),
+        ("docker compose up --scale no-such-service=3", "no service {'no-such-service'}"),
+        ("docker compose teleport", "unknown here"),
+        ("kubectl apply -f postbox.yaml", "does not know how to check"),
     ],
 )
-def test_a_wrong_command_line_fails_the_check(line):
+def test_a_wrong_command_line_fails_the_check(line, complaint):
     """The check is not lenient: a misspelt command, subcommand or option, a missing required option,
     a bad value, a destination or consumer the README's config lacks, a handler app without the
-    consumer, an unknown Makefile target or compose service, or an unknown program fails."""
-    snippet = Snippet("sh", line + "\n", 1)
-    with pytest.raises((AssertionError, pytest.fail.Exception)):
-        run_shell(snippet, lambda: pytest.fail("no database needed"))
+    consumer, an unknown Makefile target, compose command or service, or an unknown program fails."""
+
+    def no_database() -> Database:
+        raise RuntimeError("no database needed")
+
+    with pytest.raises((AssertionError, pytest.fail.Exception), match=re.escape(complaint)):
+        run_shell(Snippet("sh", line + "\n", 1), no_database)
 
 
 # --- Python and TOML --------------------------------------------------------------------------
@@ -723,11 +763,10 @@ def run_toml(snippet: Snippet, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) 
     load_settings(path)
     policies = load_policies(path)
     for kind in ("consumers", "destinations"):
-        for name, section in data.get(kind, {}).items():
-            for env in re.findall(r'\w+_env\s*=\s*"(\w+)"', snippet.text):
-                monkeypatch.setenv(env, "readme-secret")
-            assert name in getattr(policies, kind), f"{where}: {kind}.{name} not loaded"
-            assert isinstance(section, dict)
+        missing = set(data.get(kind, {})) - set(getattr(policies, kind))
+        assert not missing, f"{where}: {kind} {missing} not loaded"
+    for variable in re.findall(r'\w+_env\s*=\s*"(\w+)"', snippet.text):  # secrets come from the environment
+        monkeypatch.setenv(variable, "readme-secret")
     if policies.destinations:
         transports = build_transports(policies, list(policies.destinations), "postgresql://localhost/app")
         assert set(transports) == set(policies.destinations)
@@ -735,18 +774,13 @@ def run_toml(snippet: Snippet, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) 
 
 # --- the snippets -----------------------------------------------------------------------------
 
-SHELL_LANGUAGES = {"sh", "bash", "shell", "console"}
+SHELL_LANGUAGES = {"sh", "bash", "shell"}
 
 
-@pytest.mark.parametrize("snippet", BLOCKS + INLINE, ids=lambda s: s.id)
-def test_readme_snippet(snippet: Snippet, request: pytest.FixtureRequest, tmp_path: Path, monkeypatch):
-    """Each README snippet, by its language: SQL runs in the README's world, shell lines are real
-    commands (and their SQL runs), Python executes, TOML is a valid configuration. A block in any
-    other language, or without one, fails: decide how to exercise it and add it here."""
-
-    def db() -> Database:
-        return request.getfixturevalue("world")
-
+def exercise(
+    snippet: Snippet, db: Callable[[], Database], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Run or check one snippet by its language; an unknown language (or none) fails."""
     where = f"README.md:{snippet.line}"
     if snippet.language == "sql":
         run_sql(db(), snippet.text, where)
@@ -756,10 +790,32 @@ def test_readme_snippet(snippet: Snippet, request: pytest.FixtureRequest, tmp_pa
         run_python(snippet, db)
     elif snippet.language == "toml":
         run_toml(snippet, tmp_path, monkeypatch)
+    elif snippet.language in ("yaml", "yml"):  # e.g. alert rules: must at least be valid YAML
+        assert yaml.safe_load(snippet.text) is not None, f"{where}: empty YAML"
+    elif snippet.language == "json":
+        json.loads(snippet.text)
     else:
         pytest.fail(
             f"{where}: a code block in {snippet.language or 'no language'!r}: not exercised by any test"
         )
+
+
+@pytest.mark.parametrize("snippet", BLOCKS + INLINE, ids=lambda s: s.id)
+def test_readme_snippet(snippet: Snippet, request: pytest.FixtureRequest, tmp_path: Path, monkeypatch):
+    """Each README snippet, by its language: SQL runs in the README's world, shell lines are real
+    commands (and their SQL runs), Python executes, TOML is a valid configuration, YAML and JSON
+    parse. A block in any other language, or without one, fails: decide how to exercise it and add
+    it here."""
+    exercise(snippet, lambda: request.getfixturevalue("world"), tmp_path, monkeypatch)
+
+
+def test_a_block_in_an_unknown_language_or_none_fails(tmp_path, monkeypatch):
+    """New kinds of blocks are not skipped silently: the test fails until one decides how to run them."""
+    for language in ("", "text", "console", "promql"):
+        with pytest.raises(pytest.fail.Exception, match="not exercised"):
+            exercise(Snippet(language, "x\n", 1), lambda: pytest.fail("no database"), tmp_path, monkeypatch)
+    blocks = fenced_blocks("intro\n```\nuntagged\n```\n~~~~text\n```\n~~~~\n")
+    assert [(b.language, b.text, b.line) for b in blocks] == [("", "untagged\n", 2), ("text", "```\n", 5)]
 
 
 def test_the_readme_has_snippets_of_every_kind():
