@@ -482,6 +482,7 @@ def shell_commands(text: str, first_line: int) -> list[Command]:
 PLACEHOLDERS = {
     "NAME": "billing",
     "N": "2",
+    "SECONDS": "60",
     "JOB": "7",
     "URL": "amqp://guest:guest@127.0.0.1:5672/%2F",
     "QUEUE": "orders",
