@@ -91,6 +91,36 @@ class Bench:
         self.created.append(name)
         return self.url(name)
 
+    def fresh_empty(self) -> str:
+        """A new database without Postbox (for a peer queue), with the benchmark tables."""
+        name = f"postbox_bench_peer_{uuid.uuid4().hex[:8]}"
+        self._create(name)
+        self.created.append(name)
+        url = self.url(name)
+        with psycopg.connect(url, autocommit=True) as c:
+            c.execute(BENCH_DDL)
+        return url
+
+    # --- peers: procrastinate and pgqueuer (the `bench` extra) --------------------------------
+
+    def peer(self, kind: str) -> str:
+        from tests.bench import peers
+
+        url = self.fresh_empty()
+        peers.install(kind, url)
+        return url
+
+    def peer_drain(self, kind: str, n: int, keys: int, ordered: bool, cap: float) -> float:
+        from tests.bench import peers
+
+        rate, bad = peers.drain(
+            kind, self.peer(kind), n, keys, ordered, processes=2, concurrency=2, cap_seconds=cap
+        )
+        if ordered and bad:
+            self.extra.setdefault("peer order violations", {})[kind] = bad
+            print(f"  ! {kind} broke per-key order {bad} times", flush=True)
+        return rate
+
     def cleanup(self) -> None:
         with psycopg.connect(self.admin_url, autocommit=True) as c:
             for name in reversed(self.created):
@@ -421,7 +451,9 @@ def main() -> None:
         "relay": 4000 if quick else 20000,
         "claim_samples": 100 if quick else 500,
         "lat_seconds": 3 if quick else 20,
+        "peer_cap": 5 if quick else 15,
     }
+    with_peers = _peers_installed()
     b = Bench(admin, quick)
     started = time.monotonic()
     try:
@@ -459,9 +491,44 @@ def main() -> None:
                 label = "LISTEN/NOTIFY" if listen else "polling 10 ms"
                 for q in ("p50", "p99", "max"):
                     b.record(f"receive→handler at 200 msg/s, {label}, {q}", "ms", lat[q])
+            if with_peers:
+                run_peers(b, sizes)
     finally:
         b.cleanup()
     report(b, quick, time.monotonic() - started)
+
+
+def _peers_installed() -> bool:
+    try:
+        import asyncpg  # noqa: F401
+        import pgqueuer  # noqa: F401
+        import procrastinate  # noqa: F401
+    except ImportError:
+        print("peers skipped: install the bench extra (pip install -e '.[bench]', as `make bench` does)")
+        return False
+    return True
+
+
+def run_peers(b: Bench, sizes: dict[str, int]) -> None:
+    """The peers on the same workloads: drains are time-capped (rate = effects / elapsed)."""
+    from tests.bench import peers
+
+    n, cap = sizes["drain"], sizes["peer_cap"]
+    b.record(PEER_PROCRASTINATE_ORDERED, "msg/s", b.peer_drain("procrastinate", n, 500, True, cap))
+    b.record(PEER_PROCRASTINATE, "msg/s", b.peer_drain("procrastinate", n, 500, False, cap))
+    b.record(PEER_PGQUEUER, "msg/s", b.peer_drain("pgqueuer", n, 500, False, cap))
+    b.record(
+        PEER_PGQUEUER_BATCH, "msg/s", peers.pgqueuer_enqueue(b.peer("pgqueuer"), sizes["batch"], 500, 500)
+    )
+    lat = peers.pgqueuer_latency(b.peer("pgqueuer"), 200, sizes["lat_seconds"])
+    for q in ("p50", "p99", "max"):
+        b.record(f"pgqueuer enqueue→handler at 200 msg/s, LISTEN/NOTIFY, {q}", "ms", lat[q])
+
+
+PEER_PROCRASTINATE_ORDERED = "procrastinate drain, lock=<key>, 500 keys, 2 proc x 2"
+PEER_PROCRASTINATE = "procrastinate drain, unordered, 2 proc x 2"
+PEER_PGQUEUER = "pgqueuer drain, unordered, 2 proc x 2"
+PEER_PGQUEUER_BATCH = "pgqueuer enqueue, 500 per statement"
 
 
 def report(b: Bench, quick: bool, elapsed: float) -> None:
@@ -481,6 +548,21 @@ def report(b: Bench, quick: bool, elapsed: float) -> None:
             "claim+complete, 1M backlog (hot key 500k, 1k blocked)", "claim+complete, 10k ready"
         ),
     }
+    if PEER_PGQUEUER in r:
+        drain = "ordered drain, 500 keys, 2 proc x 2 slots"
+        ratios |= {
+            "ordered drain / procrastinate ordered drain  [target ≥ 2]": ratio(
+                drain, PEER_PROCRASTINATE_ORDERED
+            ),
+            "ordered drain / pgqueuer unordered drain  [target ≥ 1.5]": ratio(drain, PEER_PGQUEUER),
+            "receive_many 500 / pgqueuer batch enqueue 500  [target ≥ 1.0]": ratio(
+                "receive_many, 500 per transaction", PEER_PGQUEUER_BATCH
+            ),
+            "p99 receive→handler / pgqueuer p99, LISTEN  [target ≤ 1.0]": ratio(
+                "receive→handler at 200 msg/s, LISTEN/NOTIFY, p99",
+                "pgqueuer enqueue→handler at 200 msg/s, LISTEN/NOTIFY, p99",
+            ),
+        }
     lines = [
         f"# Postbox benchmark ({'quick' if quick else 'full'}), {datetime.now(UTC):%Y-%m-%d %H:%M} UTC",
         "",
@@ -504,6 +586,7 @@ def report(b: Bench, quick: bool, elapsed: float) -> None:
                 "quick": quick,
                 "results": {k: {"unit": v.unit, "runs": v.runs, "median": v.median} for k, v in r.items()},
                 "ratios": ratios,
+                "extra": b.extra,
             },
             indent=2,
         )
