@@ -44,6 +44,7 @@ CREATE TABLE IF NOT EXISTS bench_effects (
 CREATE TABLE IF NOT EXISTS bench_rows (id integer PRIMARY KEY, n bigint NOT NULL DEFAULT 0);
 INSERT INTO bench_rows (id) SELECT g FROM generate_series(1, 20000) g ON CONFLICT DO NOTHING;
 CREATE TABLE IF NOT EXISTS bench_single (id bigserial PRIMARY KEY, payload jsonb NOT NULL);
+CREATE SEQUENCE IF NOT EXISTS bench_ids;
 """
 
 
@@ -168,6 +169,15 @@ class Bench:
                     c.commit()
             return n / (time.perf_counter() - t)
 
+    def insert_single(self, n: int) -> float:
+        """The Python client's own ceiling: pgbench's single INSERT from psycopg, autocommit."""
+        url = self.fresh()
+        with psycopg.connect(url, autocommit=True) as c:
+            t = time.perf_counter()
+            for _ in range(n):
+                c.execute("INSERT INTO bench_single (payload) VALUES (%s::jsonb)", ('{"i": 1}',))
+            return n / (time.perf_counter() - t)
+
     def receive_batch(self, n: int, batch: int = 500) -> float:
         url = self.fresh()
         with psycopg.connect(url) as c:
@@ -252,7 +262,7 @@ class Bench:
                 p.wait(30)
         return n / elapsed, peak
 
-    def relay(self, n: int, keys: int, kind: str) -> tuple[float, float]:
+    def relay(self, n: int, keys: int, kind: str, batch: int = 200, concurrency: int = 2) -> tuple[float, float]:
         """Relay throughput (rows/s) and the relay's peak RSS (MB): n rows over ``keys`` keys to the
         PostgreSQL transport (this database, another consumer) or to RabbitMQ with confirms."""
         url = self.fresh()
@@ -284,9 +294,9 @@ class Bench:
             url,
             "relay",
             "--batch-size",
-            "200",
+            str(batch),
             "--concurrency",
-            "2",
+            str(concurrency),
             "--poll-interval",
             "0.05",
         )
@@ -425,6 +435,13 @@ UPDATE bench_rows SET n = n + 1 WHERE id = :k;
 COMMIT;
 """
 PGBENCH_SINGLE_INSERT = "INSERT INTO bench_single (payload) VALUES ('{\"i\": 1}');\n"
+# What bounds a single receive: the receive function itself without the Python client, and the two
+# rows every receive must write (the deduplication ledger and the inbox row, with their indexes).
+PGBENCH_RECEIVE = "SELECT postbox.inbox_receive_v1('bench', nextval('bench_ids')::text, '{\"i\": 1}');\n"
+PGBENCH_TWO_INSERTS = """WITH n AS (SELECT nextval('bench_ids')::text AS id), \
+d AS (INSERT INTO postbox.inbox_dedup (consumer, message_id, payload_hash, inbox_id) SELECT 'bench', id, '\\x00', 0 FROM n) \
+INSERT INTO postbox.inbox (consumer, message_id, key, position, payload, state) SELECT 'bench', id, id, 0, '{"i": 1}', 'ready' FROM n;
+"""
 
 
 def main() -> None:
@@ -465,6 +482,17 @@ def main() -> None:
                 b.pgbench(PGBENCH_SINGLE_INSERT, 1, 1, sizes["pg_seconds"]),
             )
             b.record("receive, 1 message per transaction", "msg/s", b.receive_single(sizes["single"], False))
+            b.record("psycopg single INSERT, autocommit", "tx/s", b.insert_single(sizes["single"]))
+            b.record(
+                "pgbench inbox_receive_v1 per transaction, -c 1",
+                "tx/s",
+                b.pgbench(PGBENCH_RECEIVE, 1, 1, sizes["pg_seconds"]),
+            )
+            b.record(
+                "pgbench ledger + inbox INSERTs (no function), -c 1",
+                "tx/s",
+                b.pgbench(PGBENCH_TWO_INSERTS, 1, 1, sizes["pg_seconds"]),
+            )
             b.record("receive in the caller's BEGIN/COMMIT", "msg/s", b.receive_single(sizes["single"], True))
             b.record("receive_many, 500 per transaction", "msg/s", b.receive_batch(sizes["batch"]))
             b.record(
@@ -540,6 +568,15 @@ def report(b: Bench, quick: bool, elapsed: float) -> None:
     ratios = {
         "single receive / pgbench single insert (-c 1)  [target ≥ 0.80]": ratio(
             "receive, 1 message per transaction", "pgbench single INSERT, -c 1"
+        ),
+        "  single receive / psycopg single insert (same Python client)": ratio(
+            "receive, 1 message per transaction", "psycopg single INSERT, autocommit"
+        ),
+        "  pgbench inbox_receive_v1 / pgbench single insert (no client)": ratio(
+            "pgbench inbox_receive_v1 per transaction, -c 1", "pgbench single INSERT, -c 1"
+        ),
+        "  pgbench ledger + inbox inserts / pgbench single insert (storage floor)": ratio(
+            "pgbench ledger + inbox INSERTs (no function), -c 1", "pgbench single INSERT, -c 1"
         ),
         "ordered drain / pgbench insert+update (-c 4)  [target ≥ 0.75]": ratio(
             "ordered drain, 500 keys, 2 proc x 2 slots", "pgbench INSERT+UPDATE, -c 4 -j 2"
