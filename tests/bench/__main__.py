@@ -262,7 +262,9 @@ class Bench:
                 p.wait(30)
         return n / elapsed, peak
 
-    def relay(self, n: int, keys: int, kind: str, batch: int = 200, concurrency: int = 2) -> tuple[float, float]:
+    def relay(
+        self, n: int, keys: int, kind: str, batch: int = 200, concurrency: int = 2
+    ) -> tuple[float, float]:
         """Relay throughput (rows/s) and the relay's peak RSS (MB): n rows over ``keys`` keys to the
         PostgreSQL transport (this database, another consumer) or to RabbitMQ with confirms."""
         url = self.fresh()
@@ -468,7 +470,7 @@ def main() -> None:
         "relay": 4000 if quick else 20000,
         "claim_samples": 100 if quick else 500,
         "lat_seconds": 3 if quick else 20,
-        "peer_cap": 5 if quick else 15,
+        "peer_cap": 5 if quick else 10,
     }
     with_peers = _peers_installed()
     b = Bench(admin, quick)
