@@ -39,7 +39,8 @@ RESULTS = REPO / "bench-results"
 
 BENCH_DDL = """
 CREATE TABLE IF NOT EXISTS bench_effects (
-    id bigserial PRIMARY KEY, message_id text NOT NULL, key text NOT NULL, seq bigint, latency_ms double precision
+    id bigserial PRIMARY KEY, message_id text NOT NULL, key text NOT NULL, seq bigint, latency_ms double precision,
+    at timestamptz NOT NULL DEFAULT clock_timestamp()
 );
 CREATE TABLE IF NOT EXISTS bench_rows (id integer PRIMARY KEY, n bigint NOT NULL DEFAULT 0);
 INSERT INTO bench_rows (id) SELECT g FROM generate_series(1, 20000) g ON CONFLICT DO NOTHING;
@@ -211,6 +212,8 @@ class Bench:
                     ],
                 )
                 c.commit()
+            c.execute("ANALYZE")  # as for the peers: plans for the backlog, as autovacuum would make them
+            c.commit()
 
     def drain(self, n: int, keys: int, processes: int, concurrency: int, batch: int) -> tuple[float, float]:
         """Ordered drain: msgs/s, and peak worker RSS in MB. Verifies order and exactly-once after."""
