@@ -52,9 +52,11 @@ COMMENT ON FUNCTION postbox.outbox_claim_v1(text, text, integer, interval, times
 -- Mark rows published (confirmed by the destination): they leave the outbox and the next row of
 -- each key becomes its head (set-based: a few statements per batch, not per row). Keys whose lock
 -- is taken right now get a repair instead. Returns the ids whose claim is no longer ours.
+-- Planned for each batch (force_custom_plan): a generic plan cannot see that the ids are few and
+-- walks the whole claim index instead of probing the primary key.
 CREATE OR REPLACE FUNCTION postbox.outbox_complete_v1(p_ids bigint[], p_attempts integer[], p_now timestamptz)
 RETURNS bigint[]
-LANGUAGE plpgsql VOLATILE AS $$
+LANGUAGE plpgsql VOLATILE SET plan_cache_mode = force_custom_plan AS $$
 DECLARE
     v_lost      bigint[];
     v_notify    text[];
