@@ -84,12 +84,24 @@ def test_set_path_never_overtakes_queued_messages(conn):
         {"message_id": ""},
         {"sequence": -1},
         {"sequence": 1.5},
+        {"sequence": "abc"},
+        {"sequence": 10**20},
         {"schema_version": 0},
         {"headers": []},
         {"type": 7},
         {"key": "k" * 1025},
     ],
-    ids=["empty-id", "negative-sequence", "fraction", "schema-version", "headers", "type", "long-key"],
+    ids=[
+        "empty-id",
+        "negative-sequence",
+        "fraction",
+        "string-sequence",
+        "huge-sequence",
+        "schema-version",
+        "headers",
+        "type",
+        "long-key",
+    ],
 )
 def test_anything_invalid_takes_the_checking_path(conn, change):
     """Bad input is never taken set-based: the per-element path names the element and field."""

@@ -169,13 +169,24 @@ LANGUAGE sql STABLE AS $$
          WHERE jsonb_typeof(messages) = 'array')
     SELECT coalesce(bool_and(
                jsonb_typeof(m.v) = 'object'
-               AND (SELECT bool_and(coalesce(jsonb_typeof(m.v -> f) IN ('string', 'null'), true))
-                      FROM unnest(ARRAY['consumer', 'message_id', 'key', 'type', 'correlation_id',
-                                        'causation_id', 'source']) AS f)
-               AND (SELECT bool_and(coalesce(jsonb_typeof(m.v -> f) = 'null', false)
-                                    OR m.v -> f IS NULL
-                                    OR (jsonb_typeof(m.v -> f) = 'number' AND (m.v ->> f) !~ '[.eE]'))
-                      FROM unnest(ARRAY['sequence', 'schema_version']) AS f)
+               AND jsonb_typeof(m.v -> 'consumer') = 'string'
+               AND jsonb_typeof(m.v -> 'message_id') = 'string'
+               AND coalesce(jsonb_typeof(m.v -> 'key'), 'null') IN ('string', 'null')
+               AND coalesce(jsonb_typeof(m.v -> 'type'), 'null') IN ('string', 'null')
+               AND coalesce(jsonb_typeof(m.v -> 'correlation_id'), 'null') IN ('string', 'null')
+               AND coalesce(jsonb_typeof(m.v -> 'causation_id'), 'null') IN ('string', 'null')
+               AND coalesce(jsonb_typeof(m.v -> 'source'), 'null') IN ('string', 'null')
+               -- CASE, not AND: a number is only cast once it is known to be an integer literal.
+               AND CASE coalesce(jsonb_typeof(m.v -> 'sequence'), 'null')
+                       WHEN 'null' THEN true
+                       WHEN 'number' THEN (m.v ->> 'sequence') !~ '[.eE]' AND length(m.v ->> 'sequence') <= 18
+                                          AND (m.v ->> 'sequence')::numeric >= 0
+                       ELSE false END
+               AND CASE coalesce(jsonb_typeof(m.v -> 'schema_version'), 'null')
+                       WHEN 'null' THEN true
+                       WHEN 'number' THEN (m.v ->> 'schema_version') !~ '[.eE]' AND length(m.v ->> 'schema_version') <= 9
+                                          AND (m.v ->> 'schema_version')::numeric >= 1
+                       ELSE false END
                AND octet_length(m.consumer) BETWEEN 1 AND 200
                AND octet_length(m.message_id) BETWEEN 1 AND 512
                AND coalesce(octet_length(m.v ->> 'key') BETWEEN 1 AND 1024, true)
@@ -185,9 +196,6 @@ LANGUAGE sql STABLE AS $$
                AND coalesce(octet_length(m.v ->> 'source') BETWEEN 1 AND 512, true)
                AND m.v -> 'payload' IS NOT NULL
                AND octet_length((m.v -> 'payload')::text) <= postbox.max_payload_bytes_v1()
-               AND coalesce(length(m.v ->> 'sequence') <= 18 AND (m.v ->> 'sequence')::numeric >= 0, true)
-               AND coalesce(length(m.v ->> 'schema_version') <= 9
-                            AND (m.v ->> 'schema_version')::numeric >= 1, true)
                AND jsonb_typeof(coalesce(m.v -> 'headers', '{}'::jsonb)) = 'object'
                AND (CASE WHEN c.name IS NULL THEN NOT EXISTS (SELECT 1 FROM postbox.consumers d WHERE d.declared)
                          ELSE c.sequence_mode = 'arrival' END)), true)
