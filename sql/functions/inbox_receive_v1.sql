@@ -266,6 +266,10 @@ BEGIN
     IF v_notify IS NOT NULL AND postbox.notify_enabled_v1() THEN
         PERFORM pg_notify('postbox_inbox', c) FROM unnest(v_notify) AS c;
     END IF;
+    IF coalesce(array_length(v_new, 1), 0) = coalesce(array_length(v_ids, 1), 0) THEN
+        RETURN QUERY SELECT u.n, 'new'::text, u.id FROM unnest(v_ids) WITH ORDINALITY AS u(id, n);
+        RETURN;
+    END IF;
     -- Not new: a duplicate or a conflict with what the ledger holds (a fresh snapshot sees a
     -- concurrent receive of the same id that committed while this one waited for it).
     RETURN QUERY
