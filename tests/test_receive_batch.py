@@ -131,3 +131,29 @@ def test_sequenced_and_refused_consumers_take_the_checking_path(conn):
         conn, [{"consumer": "seq", "message_id": "m", "sequence": 1, "payload": 1}]
     )
     assert results[0].status.value == "new"
+
+
+def test_json_batch_matches_the_array_batch(conn):
+    """Callers in other languages send one JSON array: same statuses and rows as the array form."""
+    for consumer in ("json", "arrays"):
+        service.receive(conn, consumer=consumer, message_id="old", key="c", payload={"n": 4})
+        service.receive(conn, consumer=consumer, message_id="clash", key="d", payload={"other": True})
+    statuses = [
+        r.status.value for r in service.receive_many(conn, [{"consumer": "arrays", **m} for m in BATCH])
+    ]
+    rows = conn.execute(
+        "SELECT status FROM postbox.inbox_receive_batch_v1(%s::jsonb) ORDER BY ordinality",
+        (psycopg.types.json.Jsonb([{"consumer": "json", **m} for m in BATCH]),),
+    ).fetchall()
+    assert [r[0] for r in rows] == statuses
+    assert _inbox(conn, "json") == _inbox(conn, "arrays")
+
+
+def test_array_batch_checks_what_python_did_not(conn):
+    """The array form called from SQL checks every element too: a missing payload is refused."""
+    with pytest.raises(psycopg.errors.InvalidParameterValue) as info:
+        conn.execute(
+            "SELECT * FROM postbox.inbox_receive_arrays_v1(ARRAY['c', 'c'], ARRAY['m1', 'm2'],"
+            " ARRAY['{}'::jsonb, NULL], NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL)"
+        )
+    assert info.value.diag.column_name == "payload"
