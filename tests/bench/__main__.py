@@ -179,7 +179,10 @@ class Bench:
                 c.execute("INSERT INTO bench_single (payload) VALUES (%s::jsonb)", ('{"i": 1}',))
             return n / (time.perf_counter() - t)
 
-    def receive_batch(self, n: int, batch: int = 500) -> float:
+    def receive_batch(self, n: int, batch: int = 500, keyed: bool = True) -> float:
+        """Batches of ``batch`` per transaction: over 500 keys (from the second batch on, every message
+        queues behind its key's head), or without keys (each message its own key, as a queue
+        without per-key order receives them)."""
         url = self.fresh()
         with psycopg.connect(url) as c:
             t = time.perf_counter()
@@ -187,7 +190,8 @@ class Bench:
                 service.receive_many(
                     c,
                     [
-                        {"consumer": "bench", "message_id": str(i), "key": f"k{i % 500}", "payload": {"i": i}}
+                        {"consumer": "bench", "message_id": str(i), "payload": {"i": i}}
+                        | ({"key": f"k{i % 500}"} if keyed else {})
                         for i in range(start, min(start + batch, n))
                     ],
                 )
@@ -513,6 +517,11 @@ def main() -> None:
             b.record("receive in the caller's BEGIN/COMMIT", "msg/s", b.receive_single(sizes["single"], True))
             b.record("receive_many, 500 per transaction", "msg/s", b.receive_batch(sizes["batch"]))
             b.record(
+                "receive_many, 500 per transaction, no keys",
+                "msg/s",
+                b.receive_batch(sizes["batch"], keyed=False),
+            )
+            b.record(
                 "pgbench ledger + inbox rows, 500 per statement (no function)",
                 "msg/s",
                 500 * b.pgbench(PGBENCH_TWO_INSERTS_500, 1, 1, sizes["bound_seconds"]),
@@ -614,7 +623,10 @@ def report(b: Bench, quick: bool, elapsed: float) -> None:
                 drain, PEER_PROCRASTINATE_ORDERED
             ),
             "ordered drain / pgqueuer unordered drain  [target ≥ 1.5]": ratio(drain, PEER_PGQUEUER),
-            "receive_many 500 / pgqueuer batch enqueue 500  [target ≥ 1.0]": ratio(
+            "receive_many 500, no keys / pgqueuer batch enqueue 500  [target ≥ 1.0]": ratio(
+                "receive_many, 500 per transaction, no keys", PEER_PGQUEUER_BATCH
+            ),
+            "  receive_many 500 over 500 keys / pgqueuer batch enqueue 500": ratio(
                 "receive_many, 500 per transaction", PEER_PGQUEUER_BATCH
             ),
             "  pgbench ledger + inbox rows, 500 per statement / pgqueuer batch enqueue (storage floor)": ratio(
