@@ -78,6 +78,7 @@ class Bench:
         with psycopg.connect(url, autocommit=True) as c:
             c.execute(BENCH_DDL)
         self.created: list[str] = [self.template]
+        self._last = time.monotonic()  # each record prints how long its workload took
 
     def url(self, db: str) -> str:
         return _conninfo_url(dict(self.params, dbname=db))
@@ -132,7 +133,7 @@ class Bench:
         r = self.results.setdefault(name, Result(name, unit, note=note))
         r.runs.append(value)
         now = time.monotonic()
-        took, self._last = now - getattr(self, "_last", now), now
+        took, self._last = now - self._last, now
         print(f"  {name}: {value:,.1f} {unit}  ({took:.0f} s)", flush=True)
 
     # --- references: pgbench -----------------------------------------------------------------
