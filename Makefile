@@ -25,10 +25,16 @@ lint: install
 test: lint
 	$(BIN)/pytest $(PYTEST_ARGS)
 
-bench: install
+BENCH_STAMP := $(VENV)/.bench-stamp
+
+$(BENCH_STAMP): $(STAMP)
+	$(BIN)/pip install -q -e '.[dev,bench]'
+	touch $(BENCH_STAMP)
+
+bench: $(BENCH_STAMP)
 	$(BIN)/python -m tests.bench
 
-bench-quick: install
+bench-quick: $(BENCH_STAMP)
 	$(BIN)/python -m tests.bench --quick
 
 demo: install

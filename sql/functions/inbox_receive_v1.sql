@@ -157,6 +157,220 @@ $$;
 COMMENT ON FUNCTION postbox.inbox_receive_v1(text, text, jsonb, text, text, bigint, jsonb, integer, text, text, text)
     IS 'Receive one message in the caller''s transaction: (status new|duplicate|conflict, inbox_id). Nothing is visible to workers before the caller commits.';
 
+-- The set-based core of a batch: the rows of arrays (one element per message) that the caller
+-- has checked (inbox_receive_arrays_v1 or inbox_receive_set_v1), received as inbox_receive_v1
+-- would one by one, in the arrays' order (ids are taken in that order, so a key keeps its order):
+-- one statement writes the ledger and the inbox rows of the whole batch.
+CREATE OR REPLACE FUNCTION postbox.inbox_receive_rows_v1(
+    consumers text[], message_ids text[], payloads jsonb[], keys text[], types text[], sequences bigint[],
+    headers jsonb[], schema_versions integer[], correlation_ids text[], causation_ids text[], sources text[])
+RETURNS TABLE (ordinality bigint, status text, inbox_id bigint)
+LANGUAGE plpgsql VOLATILE SET plan_cache_mode = force_custom_plan AS $$
+#variable_conflict use_column
+DECLARE
+    v_ids       bigint[];
+    v_new       bigint[];
+    v_notify    text[];
+BEGIN
+    WITH e AS (
+        SELECT u.*
+          FROM unnest(consumers, message_ids, payloads, keys, types, sequences, headers, schema_versions,
+                      correlation_ids, causation_ids, sources) WITH ORDINALITY
+               AS u(consumer, message_id, payload, key, type, sequence, headers, schema_version,
+                    correlation_id, causation_id, source, n)
+         ORDER BY u.n
+        OFFSET 0),
+    m AS MATERIALIZED (
+        SELECT e.n, nextval('postbox.inbox_id_seq') AS id, e.consumer, e.message_id,
+               coalesce(e.key, e.message_id) AS key, e.sequence, e.type, coalesce(e.schema_version, 1) AS schema_version,
+               e.payload, coalesce(e.headers, '{}'::jsonb) AS headers, e.correlation_id, e.causation_id, e.source
+          FROM e),
+    d AS (
+        INSERT INTO postbox.inbox_dedup (consumer, message_id, payload_hash, inbox_id)
+        SELECT m.consumer, m.message_id, decode(md5(m.payload::text), 'hex'), m.id FROM m ORDER BY m.id
+        ON CONFLICT (consumer, message_id) DO NOTHING
+        RETURNING inbox_id AS id),
+    fresh AS MATERIALIZED (
+        SELECT m.* FROM m JOIN d ON d.id = m.id),
+    h AS (
+        -- The first new message of a key becomes its head, unless the key has a head already or
+        -- queued messages (never overtake them).
+        INSERT INTO postbox.inbox AS i (id, consumer, message_id, key, sequence, position, type, schema_version,
+                                        payload, headers, correlation_id, causation_id, source, state)
+        SELECT DISTINCT ON (f.consumer, f.key)
+               f.id, f.consumer, f.message_id, f.key, f.sequence, f.id, f.type, f.schema_version,
+               f.payload, f.headers, f.correlation_id, f.causation_id, f.source, 'ready'
+          FROM fresh f
+         WHERE NOT EXISTS (SELECT 1 FROM postbox.inbox p
+                            WHERE p.consumer = f.consumer AND p.key = f.key AND p.state = 'pending'
+                              AND p.position < f.id)
+         ORDER BY f.consumer, f.key, f.id
+        ON CONFLICT (consumer, key) WHERE state <> 'pending' DO NOTHING
+        RETURNING i.id, i.consumer),
+    q AS (
+        -- Everything else new is queued behind its key's head; the commit trigger re-checks it.
+        INSERT INTO postbox.inbox (id, consumer, message_id, key, sequence, position, type, schema_version,
+                                   payload, headers, correlation_id, causation_id, source, state)
+        SELECT f.id, f.consumer, f.message_id, f.key, f.sequence, f.id, f.type, f.schema_version,
+               f.payload, f.headers, f.correlation_id, f.causation_id, f.source, 'pending'
+          FROM fresh f
+         WHERE f.id NOT IN (SELECT h.id FROM h)
+         ORDER BY f.id)
+    SELECT (SELECT array_agg(m.id ORDER BY m.n) FROM m),
+           (SELECT array_agg(f.id) FROM fresh f),
+           (SELECT array_agg(DISTINCT h.consumer) FROM h)
+      INTO v_ids, v_new, v_notify;
+    IF v_notify IS NOT NULL AND postbox.notify_enabled_v1() THEN
+        PERFORM pg_notify('postbox_inbox', c) FROM unnest(v_notify) AS c;
+    END IF;
+    IF coalesce(array_length(v_new, 1), 0) = coalesce(array_length(v_ids, 1), 0) THEN
+        RETURN QUERY SELECT u.n, 'new'::text, u.id FROM unnest(v_ids) WITH ORDINALITY AS u(id, n);
+        RETURN;
+    END IF;
+    -- Not new: a duplicate or a conflict with what the ledger holds (a fresh snapshot sees a
+    -- concurrent receive of the same id that committed while this one waited for it).
+    RETURN QUERY
+    SELECT x.n, CASE WHEN x.fresh THEN 'new'
+                     WHEN l.payload_hash = decode(md5(payloads[x.n]::text), 'hex') THEN 'duplicate'
+                     ELSE 'conflict' END,
+           CASE WHEN x.fresh THEN x.id ELSE l.inbox_id END
+      FROM (SELECT u.n, u.id, u.id = ANY (coalesce(v_new, '{}')) AS fresh
+              FROM unnest(v_ids) WITH ORDINALITY AS u(id, n)) x
+      LEFT JOIN postbox.inbox_dedup l
+        ON NOT x.fresh AND l.consumer = consumers[x.n] AND l.message_id = message_ids[x.n]
+     ORDER BY x.n;
+END
+$$;
+COMMENT ON FUNCTION postbox.inbox_receive_rows_v1(text[], text[], jsonb[], text[], text[], bigint[], jsonb[], integer[], text[], text[], text[])
+    IS 'Internal: the set-based core of a checked batch receive.';
+
+-- Batch form with one array per field (what drivers send fastest: no JSON envelope to parse);
+-- element i of every array is message i. Same checks and outcomes as inbox_receive_v1 per message:
+-- a batch that is not valid as a whole, or goes to a consumer ordered by sequence, is received
+-- through inbox_receive_batch_v1, which names the bad element.
+CREATE OR REPLACE FUNCTION postbox.inbox_receive_arrays_v1(
+    consumers text[], message_ids text[], payloads jsonb[], keys text[], types text[], sequences bigint[],
+    headers jsonb[], schema_versions integer[], correlation_ids text[], causation_ids text[], sources text[])
+RETURNS TABLE (ordinality bigint, status text, inbox_id bigint)
+LANGUAGE plpgsql VOLATILE SET plan_cache_mode = force_custom_plan AS $$
+#variable_conflict use_column
+DECLARE
+    v_ok boolean;
+BEGIN
+    SELECT coalesce(bool_and(
+               octet_length(u.consumer) BETWEEN 1 AND 200
+               AND octet_length(u.message_id) BETWEEN 1 AND 512
+               AND coalesce(octet_length(u.key) BETWEEN 1 AND 1024, true)
+               AND coalesce(octet_length(u.type) BETWEEN 1 AND 200, true)
+               AND coalesce(octet_length(u.correlation_id) BETWEEN 1 AND 512, true)
+               AND coalesce(octet_length(u.causation_id) BETWEEN 1 AND 512, true)
+               AND coalesce(octet_length(u.source) BETWEEN 1 AND 512, true)
+               AND u.payload IS NOT NULL
+               AND octet_length(u.payload::text) <= postbox.max_payload_bytes_v1()
+               AND coalesce(u.sequence >= 0, true)
+               AND coalesce(u.schema_version, 1) >= 1
+               AND jsonb_typeof(coalesce(u.headers, '{}'::jsonb)) = 'object'
+               AND (CASE WHEN c.name IS NULL THEN NOT EXISTS (SELECT 1 FROM postbox.consumers d WHERE d.declared)
+                         ELSE c.sequence_mode = 'arrival' END)), true)
+           AND count(DISTINCT (u.consumer, u.message_id)) = count(*)
+      INTO v_ok
+      FROM unnest(consumers, message_ids, payloads, keys, types, sequences, headers, schema_versions,
+                  correlation_ids, causation_ids, sources)
+           AS u(consumer, message_id, payload, key, type, sequence, headers, schema_version,
+                correlation_id, causation_id, source)
+      LEFT JOIN postbox.consumers c ON c.name = u.consumer;
+    IF v_ok THEN
+        RETURN QUERY SELECT * FROM postbox.inbox_receive_rows_v1(
+            consumers, message_ids, payloads, keys, types, sequences, headers, schema_versions,
+            correlation_ids, causation_ids, sources);
+        RETURN;
+    END IF;
+    RETURN QUERY SELECT * FROM postbox.inbox_receive_batch_v1((
+        SELECT coalesce(jsonb_agg(
+                   jsonb_build_object('consumer', u.consumer, 'message_id', u.message_id, 'key', u.key,
+                                      'type', u.type, 'sequence', u.sequence, 'headers', coalesce(u.headers, '{}'),
+                                      'schema_version', u.schema_version, 'correlation_id', u.correlation_id,
+                                      'causation_id', u.causation_id, 'source', u.source)
+                   || CASE WHEN u.payload IS NULL THEN '{}'::jsonb ELSE jsonb_build_object('payload', u.payload) END
+                   ORDER BY u.n), '[]')
+          FROM unnest(consumers, message_ids, payloads, keys, types, sequences, headers, schema_versions,
+                      correlation_ids, causation_ids, sources) WITH ORDINALITY
+               AS u(consumer, message_id, payload, key, type, sequence, headers, schema_version,
+                    correlation_id, causation_id, source, n)));
+END
+$$;
+COMMENT ON FUNCTION postbox.inbox_receive_arrays_v1(text[], text[], jsonb[], text[], text[], bigint[], jsonb[], integer[], text[], text[], text[])
+    IS 'Receive a batch given as one array per field, in the caller''s transaction; one (ordinality, status, inbox_id) row each.';
+
+-- The batch fast path. inbox_receive_set_ok_v1 says whether every element is valid exactly as
+-- inbox_receive_v1 checks it (same types, lengths, payload size), goes to a consumer in arrival
+-- mode (or an undeclared one while none is declared) and no (consumer, message_id) comes twice;
+-- if not, the batch goes through inbox_receive_v1 one element at a time, which names the error.
+CREATE OR REPLACE FUNCTION postbox.inbox_receive_set_ok_v1(messages jsonb) RETURNS boolean
+LANGUAGE sql STABLE AS $$
+    WITH m AS (
+        SELECT e.value AS v, e.value ->> 'consumer' AS consumer, e.value ->> 'message_id' AS message_id
+          FROM jsonb_array_elements(messages) AS e
+         WHERE jsonb_typeof(messages) = 'array')
+    SELECT coalesce(bool_and(
+               jsonb_typeof(m.v) = 'object'
+               AND jsonb_typeof(m.v -> 'consumer') = 'string'
+               AND jsonb_typeof(m.v -> 'message_id') = 'string'
+               AND coalesce(jsonb_typeof(m.v -> 'key'), 'null') IN ('string', 'null')
+               AND coalesce(jsonb_typeof(m.v -> 'type'), 'null') IN ('string', 'null')
+               AND coalesce(jsonb_typeof(m.v -> 'correlation_id'), 'null') IN ('string', 'null')
+               AND coalesce(jsonb_typeof(m.v -> 'causation_id'), 'null') IN ('string', 'null')
+               AND coalesce(jsonb_typeof(m.v -> 'source'), 'null') IN ('string', 'null')
+               -- CASE, not AND: a number is only cast once it is known to be an integer literal.
+               AND CASE coalesce(jsonb_typeof(m.v -> 'sequence'), 'null')
+                       WHEN 'null' THEN true
+                       WHEN 'number' THEN (m.v ->> 'sequence') !~ '[.eE]' AND length(m.v ->> 'sequence') <= 18
+                                          AND (m.v ->> 'sequence')::numeric >= 0
+                       ELSE false END
+               AND CASE coalesce(jsonb_typeof(m.v -> 'schema_version'), 'null')
+                       WHEN 'null' THEN true
+                       WHEN 'number' THEN (m.v ->> 'schema_version') !~ '[.eE]' AND length(m.v ->> 'schema_version') <= 9
+                                          AND (m.v ->> 'schema_version')::numeric >= 1
+                       ELSE false END
+               AND octet_length(m.consumer) BETWEEN 1 AND 200
+               AND octet_length(m.message_id) BETWEEN 1 AND 512
+               AND coalesce(octet_length(m.v ->> 'key') BETWEEN 1 AND 1024, true)
+               AND coalesce(octet_length(m.v ->> 'type') BETWEEN 1 AND 200, true)
+               AND coalesce(octet_length(m.v ->> 'correlation_id') BETWEEN 1 AND 512, true)
+               AND coalesce(octet_length(m.v ->> 'causation_id') BETWEEN 1 AND 512, true)
+               AND coalesce(octet_length(m.v ->> 'source') BETWEEN 1 AND 512, true)
+               AND m.v -> 'payload' IS NOT NULL
+               AND octet_length((m.v -> 'payload')::text) <= postbox.max_payload_bytes_v1()
+               AND jsonb_typeof(coalesce(m.v -> 'headers', '{}'::jsonb)) = 'object'
+               AND (CASE WHEN c.name IS NULL THEN NOT EXISTS (SELECT 1 FROM postbox.consumers d WHERE d.declared)
+                         ELSE c.sequence_mode = 'arrival' END)), true)
+           AND count(DISTINCT (m.consumer, m.message_id)) = count(*)
+      FROM m LEFT JOIN postbox.consumers c ON c.name = m.consumer
+$$;
+
+-- Receive a batch that inbox_receive_set_ok_v1 accepted: its JSON read once into one array per
+-- field, then the set-based core.
+CREATE OR REPLACE FUNCTION postbox.inbox_receive_set_v1(messages jsonb)
+RETURNS TABLE (ordinality bigint, status text, inbox_id bigint)
+LANGUAGE sql VOLATILE AS $$
+    SELECT r.*
+      FROM (SELECT array_agg(e.value ->> 'consumer' ORDER BY e.ordinality) AS consumers,
+                   array_agg(e.value ->> 'message_id' ORDER BY e.ordinality) AS message_ids,
+                   array_agg(e.value -> 'payload' ORDER BY e.ordinality) AS payloads,
+                   array_agg(e.value ->> 'key' ORDER BY e.ordinality) AS keys,
+                   array_agg(e.value ->> 'type' ORDER BY e.ordinality) AS types,
+                   array_agg((e.value ->> 'sequence')::bigint ORDER BY e.ordinality) AS sequences,
+                   array_agg(e.value -> 'headers' ORDER BY e.ordinality) AS headers,
+                   array_agg((e.value ->> 'schema_version')::integer ORDER BY e.ordinality) AS schema_versions,
+                   array_agg(e.value ->> 'correlation_id' ORDER BY e.ordinality) AS correlation_ids,
+                   array_agg(e.value ->> 'causation_id' ORDER BY e.ordinality) AS causation_ids,
+                   array_agg(e.value ->> 'source' ORDER BY e.ordinality) AS sources
+              FROM jsonb_array_elements(messages) WITH ORDINALITY AS e) a,
+           LATERAL postbox.inbox_receive_rows_v1(a.consumers, a.message_ids, a.payloads, a.keys, a.types,
+                                                 a.sequences, a.headers, a.schema_versions, a.correlation_ids,
+                                                 a.causation_ids, a.sources) AS r
+$$;
+
 -- Batch form: messages is a JSON array of objects with the same fields as inbox_receive_v1.
 -- Returns one row per element, in order, with its 1-based ordinality.
 CREATE OR REPLACE FUNCTION postbox.inbox_receive_batch_v1(messages jsonb)
@@ -171,6 +385,12 @@ DECLARE
 BEGIN
     IF messages IS NULL OR jsonb_typeof(messages) <> 'array' THEN
         PERFORM postbox.reject_v1('messages', 'must be a JSON array');
+    END IF;
+    IF postbox.inbox_receive_set_ok_v1(messages) THEN
+        -- The common case (valid input, arrival-ordered consumers, no id twice in the batch):
+        -- set-based, a few statements for the whole batch instead of a few per message.
+        RETURN QUERY SELECT * FROM postbox.inbox_receive_set_v1(messages);
+        RETURN;
     END IF;
     FOR m, n IN SELECT e.value, e.ordinality FROM jsonb_array_elements(messages) WITH ORDINALITY e LOOP
         IF jsonb_typeof(m) <> 'object' THEN

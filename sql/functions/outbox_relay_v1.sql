@@ -52,28 +52,35 @@ COMMENT ON FUNCTION postbox.outbox_claim_v1(text, text, integer, interval, times
 -- Mark rows published (confirmed by the destination): they leave the outbox and the next row of
 -- each key becomes its head (set-based: a few statements per batch, not per row). Keys whose lock
 -- is taken right now get a repair instead. Returns the ids whose claim is no longer ours.
+-- Planned for each batch (force_custom_plan): a generic plan cannot see that the ids are few and
+-- walks the whole claim index instead of probing the primary key.
 CREATE OR REPLACE FUNCTION postbox.outbox_complete_v1(p_ids bigint[], p_attempts integer[], p_now timestamptz)
 RETURNS bigint[]
-LANGUAGE plpgsql VOLATILE AS $$
+LANGUAGE plpgsql VOLATILE SET plan_cache_mode = force_custom_plan AS $$
 DECLARE
     v_lost      bigint[];
     v_notify    text[];
 BEGIN
     WITH del AS (
+        -- By primary key; the attempt fences out a claim that is no longer ours.
         DELETE FROM postbox.outbox o
-         USING unnest(p_ids, p_attempts) AS u(id, attempt)
-         WHERE o.id = u.id AND o.attempt = u.attempt AND o.state = 'running'
+         WHERE o.id = ANY (p_ids) AND o.attempt = p_attempts[array_position(p_ids, o.id)]
+           AND o.state = 'running'
         RETURNING o.id, o.destination, o.key),
     locked AS MATERIALIZED (
         SELECT k.destination, k.key, postbox.try_lock_key_v1(2, k.destination, k.key) AS ok
           FROM (SELECT DISTINCT destination, key FROM del) k),
     promoted AS (
         UPDATE postbox.outbox o SET state = 'ready', available_at = p_now
-          FROM (SELECT DISTINCT ON (p.destination, p.key) p.id
+          FROM (SELECT nx.id
                   FROM locked k
-                  JOIN postbox.outbox p ON p.destination = k.destination AND p.key = k.key AND p.state = 'pending'
-                 WHERE k.ok
-                 ORDER BY p.destination, p.key, p.position, p.id) n
+                  CROSS JOIN LATERAL (
+                      -- The first queued row of the key: one index probe, not all of its rows.
+                      SELECT p.id FROM postbox.outbox p
+                       WHERE p.destination = k.destination AND p.key = k.key AND p.state = 'pending'
+                       ORDER BY p.position, p.id
+                       LIMIT 1) nx
+                 WHERE k.ok) n
          WHERE o.id = n.id
         RETURNING o.destination),
     repairs AS (

@@ -39,11 +39,13 @@ RESULTS = REPO / "bench-results"
 
 BENCH_DDL = """
 CREATE TABLE IF NOT EXISTS bench_effects (
-    id bigserial PRIMARY KEY, message_id text NOT NULL, key text NOT NULL, seq bigint, latency_ms double precision
+    id bigserial PRIMARY KEY, message_id text NOT NULL, key text NOT NULL, seq bigint, latency_ms double precision,
+    at timestamptz NOT NULL DEFAULT clock_timestamp()
 );
 CREATE TABLE IF NOT EXISTS bench_rows (id integer PRIMARY KEY, n bigint NOT NULL DEFAULT 0);
 INSERT INTO bench_rows (id) SELECT g FROM generate_series(1, 20000) g ON CONFLICT DO NOTHING;
 CREATE TABLE IF NOT EXISTS bench_single (id bigserial PRIMARY KEY, payload jsonb NOT NULL);
+CREATE SEQUENCE IF NOT EXISTS bench_ids;
 """
 
 
@@ -76,6 +78,7 @@ class Bench:
         with psycopg.connect(url, autocommit=True) as c:
             c.execute(BENCH_DDL)
         self.created: list[str] = [self.template]
+        self._last = time.monotonic()  # each record prints how long its workload took
 
     def url(self, db: str) -> str:
         return _conninfo_url(dict(self.params, dbname=db))
@@ -91,6 +94,36 @@ class Bench:
         self.created.append(name)
         return self.url(name)
 
+    def fresh_empty(self) -> str:
+        """A new database without Postbox (for a peer queue), with the benchmark tables."""
+        name = f"postbox_bench_peer_{uuid.uuid4().hex[:8]}"
+        self._create(name)
+        self.created.append(name)
+        url = self.url(name)
+        with psycopg.connect(url, autocommit=True) as c:
+            c.execute(BENCH_DDL)
+        return url
+
+    # --- peers: procrastinate and pgqueuer (the `bench` extra) --------------------------------
+
+    def peer(self, kind: str) -> str:
+        from tests.bench import peers
+
+        url = self.fresh_empty()
+        peers.install(kind, url)
+        return url
+
+    def peer_drain(self, kind: str, n: int, keys: int, ordered: bool, cap: float) -> float:
+        from tests.bench import peers
+
+        rate, bad = peers.drain(
+            kind, self.peer(kind), n, keys, ordered, processes=2, concurrency=2, cap_seconds=cap
+        )
+        if ordered and bad:
+            self.extra.setdefault("peer order violations", {})[kind] = bad
+            print(f"  ! {kind} broke per-key order {bad} times", flush=True)
+        return rate
+
     def cleanup(self) -> None:
         with psycopg.connect(self.admin_url, autocommit=True) as c:
             for name in reversed(self.created):
@@ -99,7 +132,9 @@ class Bench:
     def record(self, name: str, unit: str, value: float, note: str = "") -> None:
         r = self.results.setdefault(name, Result(name, unit, note=note))
         r.runs.append(value)
-        print(f"  {name}: {value:,.1f} {unit}", flush=True)
+        now = time.monotonic()
+        took, self._last = now - self._last, now
+        print(f"  {name}: {value:,.1f} {unit}  ({took:.0f} s)", flush=True)
 
     # --- references: pgbench -----------------------------------------------------------------
 
@@ -138,7 +173,19 @@ class Bench:
                     c.commit()
             return n / (time.perf_counter() - t)
 
-    def receive_batch(self, n: int, batch: int = 500) -> float:
+    def insert_single(self, n: int) -> float:
+        """The Python client's own ceiling: pgbench's single INSERT from psycopg, autocommit."""
+        url = self.fresh()
+        with psycopg.connect(url, autocommit=True) as c:
+            t = time.perf_counter()
+            for _ in range(n):
+                c.execute("INSERT INTO bench_single (payload) VALUES (%s::jsonb)", ('{"i": 1}',))
+            return n / (time.perf_counter() - t)
+
+    def receive_batch(self, n: int, batch: int = 500, keyed: bool = True) -> float:
+        """Batches of ``batch`` per transaction: over 500 keys (from the second batch on, every message
+        queues behind its key's head), or without keys (each message its own key, as a queue
+        without per-key order receives them)."""
         url = self.fresh()
         with psycopg.connect(url) as c:
             t = time.perf_counter()
@@ -146,7 +193,8 @@ class Bench:
                 service.receive_many(
                     c,
                     [
-                        {"consumer": "bench", "message_id": str(i), "key": f"k{i % 500}", "payload": {"i": i}}
+                        {"consumer": "bench", "message_id": str(i), "payload": {"i": i}}
+                        | ({"key": f"k{i % 500}"} if keyed else {})
                         for i in range(start, min(start + batch, n))
                     ],
                 )
@@ -171,6 +219,8 @@ class Bench:
                     ],
                 )
                 c.commit()
+            c.execute("ANALYZE")  # as for the peers: plans for the backlog, as autovacuum would make them
+            c.commit()
 
     def drain(self, n: int, keys: int, processes: int, concurrency: int, batch: int) -> tuple[float, float]:
         """Ordered drain: msgs/s, and peak worker RSS in MB. Verifies order and exactly-once after."""
@@ -222,7 +272,9 @@ class Bench:
                 p.wait(30)
         return n / elapsed, peak
 
-    def relay(self, n: int, keys: int, kind: str) -> tuple[float, float]:
+    def relay(
+        self, n: int, keys: int, kind: str, batch: int = 200, concurrency: int = 2
+    ) -> tuple[float, float]:
         """Relay throughput (rows/s) and the relay's peak RSS (MB): n rows over ``keys`` keys to the
         PostgreSQL transport (this database, another consumer) or to RabbitMQ with confirms."""
         url = self.fresh()
@@ -254,20 +306,26 @@ class Bench:
             url,
             "relay",
             "--batch-size",
-            "200",
+            str(batch),
             "--concurrency",
-            "2",
+            str(concurrency),
             "--poll-interval",
             "0.05",
         )
         peak = 0.0
         try:
             with psycopg.connect(url, autocommit=True) as c:
-                t = time.perf_counter()
-                while c.execute("SELECT EXISTS (SELECT 1 FROM postbox.outbox)").fetchone()[0]:
+                # Timed from the first row the relay takes out (its start-up is not counted).
+                t, left = 0.0, n
+                while left:
                     peak = max(peak, _rss_mb(p.pid))
                     time.sleep(0.05)
+                    now_left = c.execute("SELECT count(*) FROM postbox.outbox").fetchone()[0]
+                    if not t and now_left < n:
+                        t, started_with = time.perf_counter(), now_left
+                    left = now_left
                 elapsed = time.perf_counter() - t
+                n_timed = started_with
                 if kind == "postgres":
                     got = c.execute(
                         "SELECT count(DISTINCT message_id) FROM postbox.inbox WHERE consumer = 'relayed'"
@@ -293,7 +351,7 @@ class Bench:
                 conn.close()
                 if count < n:
                     raise AssertionError(f"relay to RabbitMQ lost rows: {count} of {n}")
-        return n / elapsed, peak
+        return n_timed / elapsed, peak
 
     def claim_cost(self, backlog: str, samples: int) -> float:
         """Median ms of one claim (1 message) + complete, with the given backlog present."""
@@ -395,6 +453,18 @@ UPDATE bench_rows SET n = n + 1 WHERE id = :k;
 COMMIT;
 """
 PGBENCH_SINGLE_INSERT = "INSERT INTO bench_single (payload) VALUES ('{\"i\": 1}');\n"
+# What bounds a single receive: the receive function itself without the Python client, and the two
+# rows every receive must write (the deduplication ledger and the inbox row, with their indexes).
+PGBENCH_RECEIVE = "SELECT postbox.inbox_receive_v1('bench', nextval('bench_ids')::text, '{\"i\": 1}');\n"
+# The batch floor: the same two rows for 500 messages in one set-based statement (tx/s x 500).
+PGBENCH_TWO_INSERTS_500 = """WITH n AS (SELECT nextval('bench_ids') AS id FROM generate_series(1, 500)), \
+d AS (INSERT INTO postbox.inbox_dedup (consumer, message_id, payload_hash, inbox_id) SELECT 'bench', id::text, '\\x00', id FROM n) \
+INSERT INTO postbox.inbox (id, consumer, message_id, key, position, payload, state) SELECT id, 'bench', id::text, id::text, id, '{"i": 1}', 'ready' FROM n;
+"""
+PGBENCH_TWO_INSERTS = """WITH n AS (SELECT nextval('bench_ids')::text AS id), \
+d AS (INSERT INTO postbox.inbox_dedup (consumer, message_id, payload_hash, inbox_id) SELECT 'bench', id, '\\x00', 0 FROM n) \
+INSERT INTO postbox.inbox (consumer, message_id, key, position, payload, state) SELECT 'bench', id, id, 0, '{"i": 1}', 'ready' FROM n;
+"""
 
 
 def main() -> None:
@@ -421,7 +491,10 @@ def main() -> None:
         "relay": 4000 if quick else 20000,
         "claim_samples": 100 if quick else 500,
         "lat_seconds": 3 if quick else 20,
+        "peer_cap": 5 if quick else 6,
+        "bound_seconds": 3 if quick else 5,
     }
+    with_peers = _peers_installed()
     b = Bench(admin, quick)
     started = time.monotonic()
     try:
@@ -433,8 +506,29 @@ def main() -> None:
                 b.pgbench(PGBENCH_SINGLE_INSERT, 1, 1, sizes["pg_seconds"]),
             )
             b.record("receive, 1 message per transaction", "msg/s", b.receive_single(sizes["single"], False))
+            b.record("psycopg single INSERT, autocommit", "tx/s", b.insert_single(sizes["single"]))
+            b.record(
+                "pgbench inbox_receive_v1 per transaction, -c 1",
+                "tx/s",
+                b.pgbench(PGBENCH_RECEIVE, 1, 1, sizes["bound_seconds"]),
+            )
+            b.record(
+                "pgbench ledger + inbox INSERTs (no function), -c 1",
+                "tx/s",
+                b.pgbench(PGBENCH_TWO_INSERTS, 1, 1, sizes["bound_seconds"]),
+            )
             b.record("receive in the caller's BEGIN/COMMIT", "msg/s", b.receive_single(sizes["single"], True))
             b.record("receive_many, 500 per transaction", "msg/s", b.receive_batch(sizes["batch"]))
+            b.record(
+                "receive_many, 500 per transaction, no keys",
+                "msg/s",
+                b.receive_batch(sizes["batch"], keyed=False),
+            )
+            b.record(
+                "pgbench ledger + inbox rows, 500 per statement (no function)",
+                "msg/s",
+                500 * b.pgbench(PGBENCH_TWO_INSERTS_500, 1, 1, sizes["bound_seconds"]),
+            )
             b.record(
                 "pgbench INSERT+UPDATE, -c 4 -j 2",
                 "tx/s",
@@ -448,7 +542,7 @@ def main() -> None:
                 b.record(f"relay to {kind}, 500 keys, in order, confirmed", "rows/s", rate)
                 b.record(f"relay peak RSS ({kind})", "MB", rss)
             b.record("claim+complete, 10k ready", "ms", b.claim_cost("10k", sizes["claim_samples"]))
-            if not quick or rep == 0:
+            if rep == 0:  # building the 1M backlog is the longest setup: once per run
                 b.record(
                     "claim+complete, 1M backlog (hot key 500k, 1k blocked)",
                     "ms",
@@ -459,9 +553,44 @@ def main() -> None:
                 label = "LISTEN/NOTIFY" if listen else "polling 10 ms"
                 for q in ("p50", "p99", "max"):
                     b.record(f"receive→handler at 200 msg/s, {label}, {q}", "ms", lat[q])
+            if with_peers:
+                run_peers(b, sizes)
     finally:
         b.cleanup()
     report(b, quick, time.monotonic() - started)
+
+
+def _peers_installed() -> bool:
+    try:
+        import asyncpg  # noqa: F401
+        import pgqueuer  # noqa: F401
+        import procrastinate  # noqa: F401
+    except ImportError:
+        print("peers skipped: install the bench extra (pip install -e '.[bench]', as `make bench` does)")
+        return False
+    return True
+
+
+def run_peers(b: Bench, sizes: dict[str, int]) -> None:
+    """The peers on the same workloads: drains are time-capped (rate = effects / elapsed)."""
+    from tests.bench import peers
+
+    n, cap = sizes["drain"], sizes["peer_cap"]
+    b.record(PEER_PROCRASTINATE_ORDERED, "msg/s", b.peer_drain("procrastinate", n, 500, True, cap))
+    b.record(PEER_PROCRASTINATE, "msg/s", b.peer_drain("procrastinate", n, 500, False, cap))
+    b.record(PEER_PGQUEUER, "msg/s", b.peer_drain("pgqueuer", n, 500, False, cap))
+    b.record(
+        PEER_PGQUEUER_BATCH, "msg/s", peers.pgqueuer_enqueue(b.peer("pgqueuer"), sizes["batch"], 500, 500)
+    )
+    lat = peers.pgqueuer_latency(b.peer("pgqueuer"), 200, sizes["lat_seconds"])
+    for q in ("p50", "p99", "max"):
+        b.record(f"pgqueuer enqueue→handler at 200 msg/s, LISTEN/NOTIFY, {q}", "ms", lat[q])
+
+
+PEER_PROCRASTINATE_ORDERED = "procrastinate drain, lock=<key>, 500 keys, 2 proc x 2"
+PEER_PROCRASTINATE = "procrastinate drain, unordered, 2 proc x 2"
+PEER_PGQUEUER = "pgqueuer drain, unordered, 2 proc x 2"
+PEER_PGQUEUER_BATCH = "pgqueuer enqueue, 500 per statement"
 
 
 def report(b: Bench, quick: bool, elapsed: float) -> None:
@@ -474,6 +603,15 @@ def report(b: Bench, quick: bool, elapsed: float) -> None:
         "single receive / pgbench single insert (-c 1)  [target ≥ 0.80]": ratio(
             "receive, 1 message per transaction", "pgbench single INSERT, -c 1"
         ),
+        "  single receive / psycopg single insert (same Python client)": ratio(
+            "receive, 1 message per transaction", "psycopg single INSERT, autocommit"
+        ),
+        "  pgbench inbox_receive_v1 / pgbench single insert (no client)": ratio(
+            "pgbench inbox_receive_v1 per transaction, -c 1", "pgbench single INSERT, -c 1"
+        ),
+        "  pgbench ledger + inbox inserts / pgbench single insert (storage floor)": ratio(
+            "pgbench ledger + inbox INSERTs (no function), -c 1", "pgbench single INSERT, -c 1"
+        ),
         "ordered drain / pgbench insert+update (-c 4)  [target ≥ 0.75]": ratio(
             "ordered drain, 500 keys, 2 proc x 2 slots", "pgbench INSERT+UPDATE, -c 4 -j 2"
         ),
@@ -481,6 +619,27 @@ def report(b: Bench, quick: bool, elapsed: float) -> None:
             "claim+complete, 1M backlog (hot key 500k, 1k blocked)", "claim+complete, 10k ready"
         ),
     }
+    if PEER_PGQUEUER in r:
+        drain = "ordered drain, 500 keys, 2 proc x 2 slots"
+        ratios |= {
+            "ordered drain / procrastinate ordered drain  [target ≥ 2]": ratio(
+                drain, PEER_PROCRASTINATE_ORDERED
+            ),
+            "ordered drain / pgqueuer unordered drain  [target ≥ 1.5]": ratio(drain, PEER_PGQUEUER),
+            "receive_many 500, no keys / pgqueuer batch enqueue 500  [target ≥ 1.0]": ratio(
+                "receive_many, 500 per transaction, no keys", PEER_PGQUEUER_BATCH
+            ),
+            "  receive_many 500 over 500 keys / pgqueuer batch enqueue 500": ratio(
+                "receive_many, 500 per transaction", PEER_PGQUEUER_BATCH
+            ),
+            "  pgbench ledger + inbox rows, 500 per statement / pgqueuer batch enqueue (storage floor)": ratio(
+                "pgbench ledger + inbox rows, 500 per statement (no function)", PEER_PGQUEUER_BATCH
+            ),
+            "p99 receive→handler / pgqueuer p99, LISTEN  [target ≤ 1.0]": ratio(
+                "receive→handler at 200 msg/s, LISTEN/NOTIFY, p99",
+                "pgqueuer enqueue→handler at 200 msg/s, LISTEN/NOTIFY, p99",
+            ),
+        }
     lines = [
         f"# Postbox benchmark ({'quick' if quick else 'full'}), {datetime.now(UTC):%Y-%m-%d %H:%M} UTC",
         "",
@@ -504,6 +663,7 @@ def report(b: Bench, quick: bool, elapsed: float) -> None:
                 "quick": quick,
                 "results": {k: {"unit": v.unit, "runs": v.runs, "median": v.median} for k, v in r.items()},
                 "ratios": ratios,
+                "extra": b.extra,
             },
             indent=2,
         )
