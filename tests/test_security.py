@@ -1,0 +1,211 @@
+"""Security (SPEC SEC-3): hostile consumer, key, type and destination names go through every API
+and CLI path as data (stored verbatim, never executed), and database passwords never appear in
+the output of the commands."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+import service
+from tests.apps.hostile import CONSUMER, DESTINATION, TYPE
+from tests.helpers import REPO, eventually, scalar, spawn_postbox
+
+KEY = "k'; DELETE FROM postbox.inbox; --\"$$\\🔑 %s {0} :x $1"
+SETUP = """
+CREATE TABLE canary (alive boolean);
+INSERT INTO canary VALUES (true);
+CREATE TABLE hostile_effects (consumer text, message_id text, key text, type text);
+"""
+
+
+@pytest.fixture
+def db(database):
+    with database.connect(autocommit=True) as c:
+        c.execute(SETUP)
+    return database
+
+
+def canary_alive(url: str) -> bool:
+    return bool(scalar(url, "SELECT alive FROM canary"))
+
+
+def test_hostile_names_through_python_and_sql_are_stored_verbatim(db):
+    """Python producer (single, batch, async-free forms) and the SQL functions (receive, publish,
+    batches, declare, halt/resume) take hostile names as data: stored byte for byte, nothing run."""
+    with db.connect() as c:
+        assert service.receive(
+            c, consumer=CONSUMER, message_id="py", key=KEY, type=TYPE, payload={"k": KEY}
+        ).is_new
+        service.receive_many(
+            c, [{"consumer": CONSUMER, "message_id": "py-b", "key": KEY, "type": TYPE, "payload": 1}]
+        )
+        service.publish(c, destination=DESTINATION, key=KEY, type=TYPE, payload={"k": KEY})
+        service.publish_many(c, [{"destination": DESTINATION, "key": KEY, "type": TYPE, "payload": 2}])
+        c.execute(
+            "SELECT * FROM postbox.inbox_receive(consumer => %s, message_id => 'sql', payload => '{}',"
+            " key => %s, type => %s)",
+            (CONSUMER, KEY, TYPE),
+        )
+        batch = [{"consumer": CONSUMER, "message_id": "sql-b", "key": KEY, "type": TYPE, "payload": {}}]
+        c.execute("SELECT * FROM postbox.inbox_receive_batch(%s::jsonb)", (json.dumps(batch),))
+        c.execute(
+            "SELECT postbox.outbox_publish(destination => %s, payload => '{}', key => %s, type => %s)",
+            (DESTINATION, KEY, TYPE),
+        )
+        batch = [{"destination": DESTINATION, "key": KEY, "type": TYPE, "payload": {}}]
+        c.execute("SELECT * FROM postbox.outbox_publish_batch(%s::jsonb)", (json.dumps(batch),))
+        c.execute("SELECT postbox.declare_consumer_v1(name => %s)", (CONSUMER,))
+        c.execute("SELECT postbox.consumer_halt_v1(%s, %s)", (CONSUMER, KEY))
+        c.execute("SELECT postbox.consumer_resume_v1(%s)", (CONSUMER,))
+        c.commit()
+        inbox = c.execute("SELECT DISTINCT consumer, key, type FROM postbox.inbox").fetchall()
+        outbox = c.execute("SELECT DISTINCT destination, key, type FROM postbox.outbox").fetchall()
+        consumers = c.execute("SELECT name FROM postbox.consumers").fetchall()
+        assert c.execute("SELECT count(*) FROM postbox.inbox").fetchone()[0] == 4
+        assert c.execute("SELECT count(*) FROM postbox.outbox").fetchone()[0] == 4
+    assert inbox == [(CONSUMER, KEY, TYPE)]
+    assert outbox == [(DESTINATION, KEY, TYPE)]
+    assert consumers == [(CONSUMER,)]
+    assert canary_alive(db.url)
+
+
+def test_hostile_names_through_the_relay_and_worker_commands(db, tmp_path):
+    """``postbox relay --destination <hostile>`` (a PostgreSQL destination delivering to a hostile
+    consumer) and ``postbox worker --consumer <hostile>``: the message goes outbox -> relay ->
+    inbox -> handler -> outbox with every name intact, over LISTEN/NOTIFY and polling alike."""
+    config = tmp_path / "postbox.toml"
+    name = json.dumps(DESTINATION, ensure_ascii=False)  # a TOML basic string
+    config.write_text(
+        f'[destinations.{name}]\nkind = "postgres"\nconsumer = {json.dumps(CONSUMER, ensure_ascii=False)}\n'
+        'retry = { strategy = "fixed", base_delay = 0.05 }\n'
+    )
+    with db.connect() as c:
+        service.publish(
+            c, destination=DESTINATION, message_id="hop-1", key=KEY, type=TYPE, payload={"k": KEY}
+        )
+        c.commit()
+    common = ("--poll-interval", "0.05", "--heartbeat-interval", "0.3", "--stale-after", "1.5")
+    relay = spawn_postbox(
+        "--config", str(config), "--database-url", db.url, "relay", "--destination", DESTINATION, *common,
+        stderr=subprocess.PIPE,
+    )  # fmt: skip
+    worker = spawn_postbox(
+        "--database-url", db.url, "worker", "--consumer", CONSUMER, "--app", "tests.apps.hostile:registry",
+        *common, stderr=subprocess.PIPE,
+    )  # fmt: skip
+    try:
+        # The handler's own outbox event to DESTINATION is relayed too, into the inbox again
+        # (message id from the outbox), and processed: two effects in all.
+        eventually(lambda: scalar(db.url, "SELECT count(*) FROM hostile_effects") >= 2, timeout=60)
+    finally:
+        for p in (relay, worker):
+            p.send_signal(signal.SIGTERM)
+        for p in (relay, worker):
+            assert p.wait(30) == 0, p.stderr.read().decode() if p.stderr else ""
+    rows = scalar(db.url, "SELECT array_agg(DISTINCT row(consumer, key, type)::text) FROM hostile_effects")
+    expected = scalar(db.url, "SELECT row(%s::text, %s::text, %s::text)::text", (CONSUMER, KEY, TYPE))
+    assert rows == [expected]
+    assert scalar(db.url, "SELECT count(*) FROM postbox.dead_letters") == 0
+    assert canary_alive(db.url)
+
+
+# --- secrets ------------------------------------------------------------------------------------
+
+SECRET = "s3cr3t-Pa55"
+
+
+def start(*args: str, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "service", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO), **(env or {})},
+    )
+
+
+def output(p: subprocess.Popen[bytes], run_for: float) -> str:
+    """The command's stdout and stderr together. A command still running after ``run_for`` seconds
+    (the bridge waits for its database) is stopped with SIGTERM first."""
+    try:
+        out, _ = p.communicate(timeout=run_for)
+    except subprocess.TimeoutExpired:
+        p.send_signal(signal.SIGTERM)
+        try:
+            out, _ = p.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            out, _ = p.communicate()
+    return out.decode(errors="replace")
+
+
+URLS = [
+    f"postgresql://postbox:{SECRET}@127.0.0.1:1/app",  # nothing listens on port 1
+    f"postgresql://postbox@127.0.0.1:1/app?password={SECRET}",
+    f"postgresql://postbox:{SECRET}@127.0.0.1:5432/no_such_database_here",  # a server's own error
+]
+COMMANDS = [
+    ("migrate",),
+    ("migrate", "--sql"),
+    ("downgrade", "base"),
+    ("worker", "--consumer", "basic", "--app", "tests.apps.basic:registry"),
+    ("relay",),
+    ("bridge", "--from", "redis://127.0.0.1:6379/0", "--name", "x", "--consumer", "c"),
+]
+
+
+def test_database_password_never_appears_in_command_output(tmp_path):
+    """Every command given a database URL with a password that cannot connect (nothing listening,
+    password in the query string, the server's own error) on the command line, or in
+    POSTBOX_DATABASE_URL, fails with a message that never shows the password."""
+    config = tmp_path / "postbox.toml"
+    config.write_text('[destinations.d]\nkind = "postgres"\nconsumer = "c"\n')
+    runs = []
+    cases = [(c, URLS[0]) for c in COMMANDS] + [
+        (COMMANDS[0], URLS[1]), (COMMANDS[3], URLS[1]), (COMMANDS[0], URLS[2]), (COMMANDS[4], URLS[2]),
+    ]  # fmt: skip
+    for command, url in cases:
+        extra = ("--config", str(config)) if command[0] == "relay" else ()
+        runs.append((command, start(*extra, "--database-url", url, *command)))
+    runs.append((COMMANDS[3], start(*COMMANDS[3], env={"POSTBOX_DATABASE_URL": URLS[0]})))
+    for command, p in runs:
+        out = output(p, 5 if command[0] == "bridge" else 90)
+        assert SECRET not in out, (command, out)
+        assert out.strip(), command  # it said something (an error, or the DDL of migrate --sql)
+
+
+def test_broker_password_never_appears_in_relay_output_or_failure_records(db, tmp_path):
+    """A relay whose RabbitMQ URL carries a password and cannot connect logs, and records in
+    postbox.attempts, the failure without the password."""
+    config = tmp_path / "postbox.toml"
+    config.write_text(
+        f'[destinations.events]\nkind = "rabbitmq"\nurl = "amqp://guest:{SECRET}@127.0.0.1:1/%2F"\n'
+        'retry = { strategy = "fixed", base_delay = 0.05 }\n'
+    )
+    with db.connect() as c:
+        service.publish(c, destination="events", payload={})
+        c.commit()
+    relay = spawn_postbox(
+        "--config", str(config), "--database-url", db.url, "relay", "--poll-interval", "0.05",
+        stderr=subprocess.PIPE,
+    )  # fmt: skip
+    try:
+        eventually(lambda: scalar(db.url, "SELECT count(*) FROM postbox.attempts") >= 3, timeout=60)
+    finally:
+        relay.send_signal(signal.SIGTERM)
+        relay.wait(30)
+    err = relay.stderr.read().decode() if relay.stderr else ""
+    assert SECRET not in err
+    recorded = scalar(
+        db.url,
+        "SELECT string_agg(concat_ws(' ', error, traceback, explanation), ' ') FROM postbox.attempts",
+    )
+    assert "RabbitMQ unavailable" in str(recorded)
+    assert SECRET not in str(recorded)
+    assert SECRET not in str(scalar(db.url, "SELECT string_agg(last_error, ' ') FROM postbox.outbox"))
