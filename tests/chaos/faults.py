@@ -10,13 +10,27 @@ from tests.chaos.harness import Fault, Rig
 from tests.chaos.load import PRODUCER_APP
 
 
+def _busy_pids(rig: Rig) -> set[int]:
+    """Pids of the workers holding claimed messages right now (their ids are host:pid:suffix)."""
+    try:
+        with psycopg.connect(rig.url, autocommit=True, connect_timeout=3) as c:
+            rows = c.execute(
+                "SELECT DISTINCT split_part(claimed_by, ':', 2) FROM postbox.inbox WHERE state = 'running'"
+            ).fetchall()
+    except psycopg.OperationalError:
+        return set()
+    return {int(r[0]) for r in rows if r[0] and r[0].isdigit()}
+
+
 def _kill_worker(rig: Rig) -> None:
-    if rig.workers.signal_random(rig.rng, signal.SIGKILL) is not None:
+    """kill -9 of a worker with messages in flight (any worker if none has)."""
+    if rig.workers.signal_random(rig.rng, signal.SIGKILL, prefer=_busy_pids(rig)) is not None:
         rig.note("kill -9")
 
 
 def _stop_worker(rig: Rig) -> None:
-    p = rig.workers.signal_random(rig.rng, signal.SIGSTOP)
+    """SIGSTOP of a worker with messages in flight (any worker if none has)."""
+    p = rig.workers.signal_random(rig.rng, signal.SIGSTOP, prefer=_busy_pids(rig))
     if p is not None:
         rig.workers.stopped.add(p.pid)
         rig.note("SIGSTOP")

@@ -96,11 +96,15 @@ class Processes:
     def alive(self) -> list[subprocess.Popen[bytes]]:
         return [p for p in self.procs if p.poll() is None]
 
-    def signal_random(self, rng: random.Random, sig: int) -> subprocess.Popen[bytes] | None:
+    def signal_random(
+        self, rng: random.Random, sig: int, prefer: set[int] | None = None
+    ) -> subprocess.Popen[bytes] | None:
+        """Send ``sig`` to a random running process, one of the ``prefer`` pids if any is running."""
         alive = [p for p in self.alive() if p.pid not in self.stopped]
+        preferred = [p for p in alive if p.pid in (prefer or set())]
         if not alive:
             return None
-        p = rng.choice(alive)
+        p = rng.choice(preferred or alive)
         p.send_signal(sig)
         return p
 
@@ -235,7 +239,12 @@ def run_fault(
         _relay_config(config, proxy.port, queue)
         broker = BrokerLog(queue)
         broker.start()
-        env = {"CHAOS_MAX_ATTEMPTS": str(MAX_ATTEMPTS), "CHAOS_PERMANENT_RATE": "0.01", **fault.env}
+        env = {
+            "CHAOS_MAX_ATTEMPTS": str(MAX_ATTEMPTS),
+            "CHAOS_PERMANENT_RATE": "0.01",
+            "CHAOS_FAIL_RATE": "0.03",
+            **fault.env,
+        }
         workers = Processes(
             "worker",
             ["--database-url", url, "worker", "--consumer", CONSUMER, "--app", APP, *WORKER_ARGS],
