@@ -63,3 +63,5 @@ def test_postgres_restart_keeps_every_invariant(fault: Fault, cluster: PrivateCl
     assert v.problems() == [], v.summary()
     assert v.ok > 0 and v.done > 0 and v.events_delivered == v.events_expected
     assert v.failed + v.unknown > 0, "the restarts did not touch the producers"
+    exits = {k: n for k, n in result.notes.items() if " exit " in k}
+    assert exits == {}, f"processes died instead of reconnecting: {exits}"
