@@ -1,6 +1,7 @@
 """``python -m tests.chaos`` (``make chaos``): every fault F1..F5 for ``CHAOS_ITERATIONS`` cycles
 (default 20) under steady load, then a table of the figures; results go to
-``bench-results/chaos-<time>.json``. ``CHAOS_FAULTS`` (e.g. ``F1,F4``) picks faults.
+``bench-results/chaos-<time>.json``. ``CHAOS_FAULTS`` (e.g. ``F1,F4``) picks faults;
+``CHAOS_KEEP_DB=1`` keeps each run's database for a post-mortem.
 
 The database: a fresh one on ``POSTBOX_TEST_DATABASE_URL``'s server (never restarted), or on the
 harness's private cluster when unset; F4 always uses the private cluster, the only one it restarts.
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 import time
 import uuid
@@ -74,6 +76,8 @@ def table(rows: list[dict[str, Any]]) -> str:
 
 
 def main() -> int:
+    # SIGTERM ends the run like Ctrl-C: the finally blocks stop the processes and drop what was made.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(143))
     iterations = int(os.environ.get("CHAOS_ITERATIONS", "20"))
     wanted = [f.strip() for f in os.environ.get("CHAOS_FAULTS", "").split(",") if f.strip()]
     faults = [f for f in ALL if not wanted or f.name.split()[0] in wanted]
@@ -96,7 +100,10 @@ def main() -> int:
                 failures.append(f"{fault.name}: {error}")
                 print(f"  FAILED: {error}", flush=True)
             finally:
-                _drop(server, url)
+                if os.environ.get("CHAOS_KEEP_DB"):
+                    print(f"  kept {url}", flush=True)
+                else:
+                    _drop(server, url)
     finally:
         cluster.destroy()
     rows = [r.row() for r in results]

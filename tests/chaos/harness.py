@@ -199,6 +199,21 @@ def _registered(url: str, workers: int) -> bool:
     return row is not None and row[0] >= workers and row[1] >= 1
 
 
+def _stuck(url: str) -> str:
+    """What is left in the inbox and outbox, with the keys' repair records: for a failed drain."""
+    with psycopg.connect(url, autocommit=True) as c:
+        parts = []
+        for sql in (
+            "SELECT id, message_id, key, state, attempt, available_at, claimed_by FROM postbox.outbox ORDER BY id LIMIT 10",
+            "SELECT id, message_id, key, state, attempt, available_at, claimed_by FROM postbox.inbox ORDER BY id LIMIT 10",
+            "SELECT * FROM postbox.key_repairs LIMIT 10",
+            "SELECT id, kind, queue, heartbeat_at FROM postbox.workers",
+            "SELECT now()",
+        ):
+            parts.append(f"{sql}:\n" + "\n".join(map(str, c.execute(sql).fetchall())))  # type: ignore[arg-type]
+    return "\n".join(parts)
+
+
 def _drained(url: str, broker: BrokerLog) -> bool:
     try:
         with psycopg.connect(url, autocommit=True, connect_timeout=3) as c:
@@ -222,7 +237,7 @@ def run_fault(
     iterations: int,
     cluster: PrivateCluster | None = None,
     rate: float = 60.0,
-    keys: int = 20,
+    keys: int = 40,
     processes: int = 2,
     drain_bound: float = 90.0,
     seed: int = 1,
@@ -293,6 +308,6 @@ def run_fault(
             worker_tail = workers.log_tail(workers.spawned)
             raise AssertionError(
                 f"{fault.name}: backlog did not drain within {drain_bound}s: {verdict.problems()}"
-                f"\nlast worker log: {worker_tail}"
+                f"\nlast worker log: {worker_tail}\nrelay log: {relays.log_tail(relays.spawned)}\n{_stuck(url)}"
             )
     return Result(fault.name, iterations, time.monotonic() - started, verdict, notes)

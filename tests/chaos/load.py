@@ -93,7 +93,7 @@ class Producers:
             due += self.interval
             if self._halt.wait(max(0.0, due - time.monotonic())):
                 break
-            key = f"p{index}/k{int(self.keys * rng.random() ** 2)}"
+            key = f"p{index}/k{int(self.keys * rng.random() ** 1.5)}"  # skewed: k0 gets 1/keys ** (2/3)
             sequence = sequences.get(key, 0)
             sequences[key] = sequence + 1
             mid = f"m{index}-{n}"
