@@ -294,6 +294,8 @@ def run_fault(
             else:
                 drain = time.monotonic() - healed
         finally:
+            if cluster is not None:
+                cluster.ensure_running()
             producers.stop()
             workers.stop()
             relays.stop()

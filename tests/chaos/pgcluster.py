@@ -74,6 +74,11 @@ class PrivateCluster:
         self._run("pg_ctl", "-D", str(self.data), "-w", "-t", "60", "-m", mode, "stop")
         self.restarts += 1
 
+    def ensure_running(self) -> None:
+        """Start the server if it is down (a run that failed between a stop and its start)."""
+        if self._run("pg_ctl", "-D", str(self.data), "status", check=False).returncode != 0:
+            self.start()
+
     def url(self, dbname: str = "postgres") -> str:
         return f"postgresql://postgres@127.0.0.1:{self.port}/{dbname}"
 
