@@ -1,6 +1,7 @@
 """``python -m tests.chaos`` (``make chaos``): every fault F1..F5 for ``CHAOS_ITERATIONS`` cycles
 (default 20) under steady load, then a table of the figures; results go to
 ``bench-results/chaos-<time>.json``. ``CHAOS_FAULTS`` (e.g. ``F1,F4``) picks faults;
+``CHAOS_KEYS`` sets the keys per producer thread (default 40);
 ``CHAOS_KEEP_DB=1`` keeps each run's database for a post-mortem.
 
 The database: a fresh one on ``POSTBOX_TEST_DATABASE_URL``'s server (never restarted), or on the
@@ -79,6 +80,7 @@ def main() -> int:
     # SIGTERM ends the run like Ctrl-C: the finally blocks stop the processes and drop what was made.
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(143))
     iterations = int(os.environ.get("CHAOS_ITERATIONS", "20"))
+    keys = int(os.environ.get("CHAOS_KEYS", "40"))  # per producer thread; fewer keys are hotter
     wanted = [f.strip() for f in os.environ.get("CHAOS_FAULTS", "").split(",") if f.strip()]
     faults = [f for f in ALL if not wanted or f.name.split()[0] in wanted]
     shared = os.environ.get("POSTBOX_TEST_DATABASE_URL")
@@ -91,7 +93,7 @@ def main() -> int:
             url = _database(server)
             print(f"{fault.name}: {fault.description} x {iterations} ...", flush=True)
             try:
-                result = run_fault(fault, url, iterations=iterations, cluster=cluster)
+                result = run_fault(fault, url, iterations=iterations, cluster=cluster, keys=keys)
                 results.append(result)
                 print(f"  {json.dumps(result.row())}", flush=True)
                 if result.verdict.problems():
