@@ -4,13 +4,16 @@ the output of the commands."""
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
+from psycopg import sql
 
 import service
 from tests.apps.hostile import CONSUMER, DESTINATION, TYPE
@@ -209,3 +212,103 @@ def test_broker_password_never_appears_in_relay_output_or_failure_records(db, tm
     assert "RabbitMQ unavailable" in str(recorded)
     assert SECRET not in str(recorded)
     assert SECRET not in str(scalar(db.url, "SELECT string_agg(last_error, ' ') FROM postbox.outbox"))
+
+
+# --- SQL-function handlers with hostile names, and a guard on how SQL is built -------------------
+
+SCHEMA = 'we\'ird; "schema" $$'
+FUNCTION = "apply'); DROP TABLE canary; --\\ü"
+
+
+def test_hostile_sql_function_handler_name_is_a_quoted_identifier(db, tmp_path):
+    """A handler function whose schema and name hold quotes, semicolons and dollar quotes, declared
+    in the config file for a hostile consumer: ``postbox worker`` checks it exists and calls it as
+    a quoted identifier; a name that does not exist is refused at start, nothing executed."""
+    with db.connect() as c:
+        c.execute(
+            sql.SQL(
+                "CREATE SCHEMA {schema}; CREATE FUNCTION {schema}.{fn}(message jsonb, context jsonb)"
+                " RETURNS void LANGUAGE sql AS $body$ INSERT INTO hostile_effects (consumer, message_id, key, type)"
+                " VALUES (message ->> 'consumer', message ->> 'message_id', message ->> 'key', message ->> 'type')"
+                " $body$"
+            ).format(schema=sql.Identifier(SCHEMA), fn=sql.Identifier(FUNCTION))
+        )
+        service.receive(c, consumer=CONSUMER, message_id="f-1", key=KEY, type=TYPE, payload={})
+        c.commit()
+    consumer = json.dumps(CONSUMER, ensure_ascii=False)
+    config = tmp_path / "postbox.toml"
+    config.write_text(
+        f'[consumers.{consumer}.handlers."*"]\nkind = "sql"\n'
+        f"function = {json.dumps(f'{SCHEMA}.{FUNCTION}', ensure_ascii=False)}\n"
+    )
+    worker = spawn_postbox(
+        "--config", str(config), "--database-url", db.url, "worker", "--consumer", CONSUMER,
+        "--poll-interval", "0.05", "--no-listen", stderr=subprocess.PIPE,
+    )  # fmt: skip
+    try:
+        eventually(lambda: scalar(db.url, "SELECT count(*) FROM hostile_effects") == 1, timeout=60)
+    finally:
+        worker.send_signal(signal.SIGTERM)
+        assert worker.wait(30) == 0, worker.stderr.read().decode() if worker.stderr else ""
+    row = scalar(db.url, "SELECT row(consumer, message_id, key, type)::text FROM hostile_effects")
+    assert row == scalar(
+        db.url, "SELECT row(%s::text, 'f-1'::text, %s::text, %s::text)::text", (CONSUMER, KEY, TYPE)
+    )
+    config.write_text(
+        f'[consumers.{consumer}.handlers."*"]\nkind = "sql"\n'
+        f"function = {json.dumps('public.x; DROP TABLE canary', ensure_ascii=False)}\n"
+    )
+    out = output(
+        start("--config", str(config), "--database-url", db.url, "worker", "--consumer", CONSUMER), 60
+    )
+    assert "does not exist" in out
+    assert canary_alive(db.url)
+
+
+ALLOWED_DYNAMIC_SQL = {
+    # file: reason the statement text is not built from user data
+    "service/runtime.py": "LISTEN on a channel name that is a constant of the code",
+}
+
+
+def _dynamic_sql_calls(path: Path) -> list[int]:
+    """Lines where ``.execute(...)`` gets an f-string, a ``%``-formatted or ``.format()``-ed str."""
+    lines = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr == "execute"
+        ):
+            if not node.args:
+                continue
+            arg = node.args[0]
+            formatted = (
+                isinstance(arg, ast.JoinedStr)
+                or (isinstance(arg, ast.BinOp) and isinstance(arg.op, ast.Mod | ast.Add))
+                or (
+                    isinstance(arg, ast.Call)
+                    and isinstance(arg.func, ast.Attribute)
+                    and arg.func.attr == "format"
+                    and isinstance(arg.func.value, ast.Constant)
+                )
+            )
+            if formatted:
+                lines.append(node.lineno)
+    return lines
+
+
+def test_sql_is_built_from_parameters_and_quoted_identifiers():
+    """A guard for SEC-3: no statement in ``service/`` is text built by string formatting (only
+    parameters, ``psycopg.sql`` compositions of quoted identifiers, and the SQL files), except the
+    listed constant ones; and no SQL function runs dynamic ``EXECUTE``."""
+    found = {}
+    for path in sorted((REPO / "service").rglob("*.py")):
+        lines = _dynamic_sql_calls(path)
+        rel = str(path.relative_to(REPO))
+        if lines and rel not in ALLOWED_DYNAMIC_SQL:
+            found[rel] = lines
+    assert found == {}, f"SQL built by string formatting: {found}"
+    for path in sorted((REPO / "sql").rglob("*.sql")) + sorted((REPO / "migrations").rglob("*.sql")):
+        text = path.read_text()
+        assert "EXECUTE " not in text.upper().replace("EXECUTE FUNCTION", ""), f"dynamic EXECUTE in {path}"
