@@ -203,7 +203,9 @@ class _Loop:
                 if not rows:
                     self.relay.wakeup.wait(generation)
                     continue
+                self._in_flight = rows
                 self._relay(rows)
+                self._in_flight = []
             except Exception:  # a loop must never die: log, reset the connection, go on
                 log.exception("relay loop for %s failed; reconnecting", self.destination)
                 if self.conn is not None:
@@ -253,7 +255,6 @@ class _Loop:
 
     def _relay(self, rows: list[OutboxRow]) -> None:
         assert self.conn is not None
-        self._in_flight = rows
         started = time.monotonic()
         try:
             if self._shared:
@@ -282,7 +283,6 @@ class _Loop:
             if error is not None:
                 self._record_failure(row, error, now, duration_ms)
         self.conn.commit()
-        self._in_flight = []
         self.relay._emit("published", destination=self.destination, ids=[r.id for r in published])
 
     def _record_failure(
