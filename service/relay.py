@@ -186,6 +186,7 @@ class _Loop:
         self.policy = relay.policies.get(destination, relay.settings.retry)
         self.on_dead_letter = relay.dead_letter_policies.get(destination, relay.settings.on_dead_letter)
         self.conn: psycopg.Connection[Any] | None = None
+        self._in_flight: list[OutboxRow] = []  # claimed, not yet recorded
 
     def _connect(self) -> psycopg.Connection[Any]:
         backoff = 0.05
@@ -211,7 +212,9 @@ class _Loop:
                 if not rows:
                     self.relay.wakeup.wait(generation)
                     continue
+                self._in_flight = rows
                 self._relay(rows)
+                self._in_flight = []
             except Exception:  # a loop must never die: log, reset the connection, go on
                 log.exception("relay loop for %s failed; reconnecting", self.destination)
                 if self.conn is not None:
@@ -220,6 +223,7 @@ class _Loop:
                     self.conn = self._connect()
                 except psycopg.OperationalError:
                     return
+                self._give_back()
         if self.conn is not None:
             self.conn.close()
         if not self._shared:
@@ -238,6 +242,25 @@ class _Loop:
             if not self.conn.closed:
                 self.conn.autocommit = False
         return [OutboxRow(**dict(zip(_ROW_FIELDS, r, strict=True))) for r in rows]
+
+    def _give_back(self) -> None:
+        """After a lost connection, release the batch that was not recorded (fenced by attempt), so
+        its keys go on now instead of after the lease; a row already published goes out again."""
+        rows, self._in_flight = self._in_flight, []
+        if not rows or self.conn is None:
+            return
+        try:
+            self.conn.execute(
+                query("outbox_release").psycopg,
+                {
+                    "ids": [r.id for r in rows],
+                    "attempts": [r.attempt for r in rows],
+                    "now": self.relay.clock.now(),
+                },
+            )
+            self.conn.commit()
+        except psycopg.Error as error:  # still no database: the lease runs out instead
+            log.warning("relay could not give back its batch: %s", error)
 
     def _relay(self, rows: list[OutboxRow]) -> None:
         assert self.conn is not None

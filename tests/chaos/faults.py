@@ -1,0 +1,134 @@
+"""The faults F1..F5 of the chaos harness, as inject/heal pairs acting on a ``Rig``."""
+
+from __future__ import annotations
+
+import signal
+
+import psycopg
+
+from tests.chaos.harness import Fault, Rig
+from tests.chaos.load import PRODUCER_APP
+
+
+def _busy_pids(rig: Rig) -> set[int]:
+    """Pids of the workers holding claimed messages right now (their ids are host:pid:suffix)."""
+    try:
+        with psycopg.connect(rig.url, autocommit=True, connect_timeout=3) as c:
+            rows = c.execute(
+                "SELECT DISTINCT split_part(claimed_by, ':', 2) FROM postbox.inbox WHERE state = 'running'"
+            ).fetchall()
+    except psycopg.OperationalError:
+        return set()
+    return {int(r[0]) for r in rows if r[0] and r[0].isdigit()}
+
+
+def _kill_worker(rig: Rig) -> None:
+    """kill -9 of a worker with messages in flight (any worker if none has)."""
+    if rig.workers.signal_random(rig.rng, signal.SIGKILL, prefer=_busy_pids(rig)) is not None:
+        rig.note("kill -9")
+
+
+def _stop_worker(rig: Rig) -> None:
+    """SIGSTOP of a worker with messages in flight (any worker if none has)."""
+    p = rig.workers.signal_random(rig.rng, signal.SIGSTOP, prefer=_busy_pids(rig))
+    if p is not None:
+        rig.workers.stopped.add(p.pid)
+        rig.note("SIGSTOP")
+
+
+def _continue_workers(rig: Rig) -> None:
+    for p in rig.workers.procs:
+        if p.pid in rig.workers.stopped and p.poll() is None:
+            p.send_signal(signal.SIGCONT)
+    rig.workers.stopped.clear()
+
+
+def _terminate_connections(rig: Rig) -> None:
+    """pg_terminate_backend on a random half of the worker, relay and producer connections."""
+    with psycopg.connect(rig.url, autocommit=True) as c:
+        rows = c.execute(
+            "SELECT pid, application_name FROM pg_stat_activity WHERE datname = current_database()"
+            " AND pid <> pg_backend_pid() AND (application_name LIKE 'postbox-%%' OR application_name = %s)",
+            (PRODUCER_APP,),
+        ).fetchall()
+        victims = [r for r in rows if rig.rng.random() < 0.5] or rows[:1]
+        for pid, app in victims:
+            c.execute("SELECT pg_terminate_backend(%s)", (pid,))
+            rig.note(f"terminated {app.split(':')[0]}")
+
+
+def _restart(mode: str) -> Fault:
+    def inject(rig: Rig) -> None:
+        assert rig.cluster is not None
+        rig.cluster.stop("immediate" if mode == "immediate" else "fast")
+        rig.note(f"pg_ctl stop -m {mode}")
+
+    def heal(rig: Rig) -> None:
+        assert rig.cluster is not None
+        rig.cluster.start()
+
+    return Fault(
+        f"F4 restart {mode}",
+        f"PostgreSQL stopped with -m {mode} for 1 s, then started (crash recovery for immediate)",
+        inject,
+        heal,
+        hold=1.0,
+        gap=2.5,
+        needs_cluster=True,
+    )
+
+
+def _noop(rig: Rig) -> None:
+    pass
+
+
+def _proxy_down(rig: Rig) -> None:
+    rig.proxy.down()
+    rig.note("broker cut")
+
+
+def _proxy_up(rig: Rig) -> None:
+    rig.proxy.up()
+
+
+F1 = Fault(
+    "F1 kill -9",
+    "kill -9 of a random worker from outside, and workers killing themselves before the effect,"
+    " after it before commit, and after commit (1% of attempts)",
+    _kill_worker,
+    _noop,
+    hold=0.2,
+    gap=0.8,
+    env={"CHAOS_DIE_RATE": "0.01"},
+)
+F2 = Fault(
+    "F2 SIGSTOP",
+    "SIGSTOP of a random worker mid-handler for 3 s (past --stale-after 1.5 s and --handler-timeout 2 s),"
+    " its claims taken over, then SIGCONT",
+    _stop_worker,
+    _continue_workers,
+    hold=3.0,
+    gap=0.5,
+    env={"CHAOS_HANDLER_SLEEP": "0.05"},
+)
+F3 = Fault(
+    "F3 terminate",
+    "pg_terminate_backend on a random half of the worker, relay and producer connections",
+    _terminate_connections,
+    _noop,
+    hold=0.2,
+    gap=0.8,
+    env={"CHAOS_HANDLER_SLEEP": "0.002"},
+)
+F4_IMMEDIATE = _restart("immediate")
+F4_FAST = _restart("fast")
+F5 = Fault(
+    "F5 broker outage",
+    "the TCP proxy between the relay and RabbitMQ cut (open connections reset, new ones refused) for 2 s",
+    _proxy_down,
+    _proxy_up,
+    hold=2.0,
+    gap=1.0,
+)
+
+ALL = [F1, F2, F3, F4_IMMEDIATE, F4_FAST, F5]

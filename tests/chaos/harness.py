@@ -1,0 +1,315 @@
+"""Runs one fault scenario: load on, fault injected and healed ``iterations`` times, load off,
+backlog drained, invariants checked (``tests.chaos.verdict``)."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+import psycopg
+
+from tests.apps.chaos import CONSUMER, DESTINATION
+from tests.chaos.load import BrokerLog, ProducerLog, Producers
+from tests.chaos.pgcluster import PrivateCluster
+from tests.chaos.verdict import EFFECTS_DDL, Verdict, check
+from tests.helpers import REPO, eventually
+from tests.proxy import Proxy
+
+APP = "tests.apps.chaos:registry"
+MAX_ATTEMPTS = 1000
+# Worker and relay settings that make a fault show quickly: short polls, heartbeats, stale detection.
+WORKER_ARGS = (
+    "--concurrency", "3", "--batch-size", "10", "--poll-interval", "0.05", "--heartbeat-interval", "0.3",
+    "--stale-after", "1.5", "--grace-period", "5", "--handler-timeout", "2",
+)  # fmt: skip
+RELAY_ARGS = (
+    "--concurrency", "1", "--batch-size", "20", "--poll-interval", "0.05", "--heartbeat-interval", "0.3",
+    "--stale-after", "1.5", "--grace-period", "5", "--lease", "5",
+)  # fmt: skip
+
+
+class Processes:
+    """Real ``postbox`` processes, restarted when they die; output goes to files (a full pipe would
+    stall a process that logs a lot while its database is away)."""
+
+    def __init__(self, name: str, args: list[str], count: int, env: dict[str, str], logdir: Path) -> None:
+        self.name = name
+        self.args = [sys.executable, "-m", "service", *args]
+        self.env = {**os.environ, "PYTHONPATH": str(REPO), **env}
+        self.logdir = logdir
+        self.spawned = 0
+        self.restarts = 0
+        self.procs: list[subprocess.Popen[bytes]] = []
+        self._logs: list[IO[bytes]] = []
+        self._log_of: dict[int, int] = {}  # pid -> log file number
+        self.stopped: set[int] = set()
+        self.exits: dict[str, int] = {}
+        for _ in range(count):
+            self.procs.append(self._spawn())
+
+    def _spawn(self) -> subprocess.Popen[bytes]:
+        self.spawned += 1
+        log = open(self.logdir / f"{self.name}-{self.spawned}.log", "wb")  # noqa: SIM115
+        self._logs.append(log)
+        p = subprocess.Popen(self.args, env=self.env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=log)
+        self._log_of[p.pid] = self.spawned
+        return p
+
+    def log_tail(self, index: int, chars: int = 2000) -> str:
+        path = self.logdir / f"{self.name}-{index}.log"
+        return path.read_text(errors="replace")[-chars:] if path.exists() else ""
+
+    def keep_alive(self) -> None:
+        """Restart dead processes. Killed ones are expected; one that exits because the database is
+        unreachable at start-up (during a restart) too; anything else is a failure."""
+        for i, p in enumerate(self.procs):
+            if p.poll() is None:
+                continue
+            tail = self.log_tail(self._log_of[p.pid])
+            unreachable_at_start = p.returncode == 1 and "cannot reach the database" in tail
+            if p.returncode not in (-signal.SIGKILL, -signal.SIGTERM, 0) and not unreachable_at_start:
+                raise AssertionError(f"{self.name} exited with {p.returncode}: {tail}")
+            if p.returncode != -signal.SIGKILL:
+                reason = f"{self.name} exit {p.returncode}"
+                self.exits[reason] = self.exits.get(reason, 0) + 1
+                if os.environ.get("CHAOS_DEBUG"):
+                    print(f"{reason}: {tail}", file=sys.stderr)
+            self.procs[i] = self._spawn()
+            self.restarts += 1
+
+    def count_in_logs(self, text: str) -> int:
+        return sum(
+            (self.logdir / f"{self.name}-{i}.log").read_text(errors="replace").count(text)
+            for i in range(1, self.spawned + 1)
+        )
+
+    def alive(self) -> list[subprocess.Popen[bytes]]:
+        return [p for p in self.procs if p.poll() is None]
+
+    def signal_random(
+        self, rng: random.Random, sig: int, prefer: set[int] | None = None
+    ) -> subprocess.Popen[bytes] | None:
+        """Send ``sig`` to a random running process, one of the ``prefer`` pids if any is running."""
+        alive = [p for p in self.alive() if p.pid not in self.stopped]
+        preferred = [p for p in alive if p.pid in (prefer or set())]
+        if not alive:
+            return None
+        p = rng.choice(preferred or alive)
+        p.send_signal(sig)
+        return p
+
+    def stop(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGCONT)
+                p.send_signal(signal.SIGTERM)
+        for p in self.procs:
+            try:
+                p.wait(30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        for log in self._logs:
+            log.close()
+
+
+@dataclass
+class Rig:
+    """Everything a fault acts on."""
+
+    url: str
+    workers: Processes
+    relays: Processes
+    proxy: Proxy
+    cluster: PrivateCluster | None
+    rng: random.Random
+    notes: dict[str, int] = field(default_factory=dict)
+
+    def note(self, what: str, n: int = 1) -> None:
+        self.notes[what] = self.notes.get(what, 0) + n
+
+    def tick(self) -> None:
+        self.workers.keep_alive()
+        self.relays.keep_alive()
+
+    def wait(self, seconds: float) -> None:
+        """Sleep ``seconds`` while keeping the processes alive (restarting killed ones)."""
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            self.tick()
+            time.sleep(min(0.1, max(0.0, end - time.monotonic())))
+
+
+@dataclass(frozen=True)
+class Fault:
+    """``inject`` breaks something, ``heal`` repairs it ``hold`` seconds later; ``gap`` seconds of
+    normal operation separate two injections. ``env`` is given to the worker processes."""
+
+    name: str
+    description: str
+    inject: Callable[[Rig], None]
+    heal: Callable[[Rig], None]
+    hold: float
+    gap: float
+    env: dict[str, str] = field(default_factory=dict)
+    needs_cluster: bool = False
+
+
+@dataclass
+class Result:
+    fault: str
+    iterations: int
+    seconds: float
+    verdict: Verdict
+    notes: dict[str, int]
+
+    def row(self) -> dict[str, Any]:
+        return {"fault": self.fault, "iterations": self.iterations, "seconds": round(self.seconds, 1),
+                **self.verdict.summary(), "notes": self.notes}  # fmt: skip
+
+
+def _relay_config(path: Path, proxy_port: int, queue: str) -> None:
+    path.write_text(
+        f"[destinations.{DESTINATION}]\n"
+        'kind = "rabbitmq"\n'
+        f'url = "amqp://guest:guest@127.0.0.1:{proxy_port}/%2F"\n'
+        f'routing_key = "{queue}"\n'
+        'retry = { strategy = "exponential_full_jitter", base_delay = 0.05, max_delay = 0.5,'
+        " max_attempts = 100000 }\n"
+    )
+
+
+def _registered(url: str, workers: int) -> bool:
+    """Whether every worker and the relay have started (registered in postbox.workers)."""
+    with psycopg.connect(url, autocommit=True) as c:
+        row = c.execute(
+            "SELECT count(*) FILTER (WHERE kind = 'worker'), count(*) FILTER (WHERE kind = 'relay')"
+            " FROM postbox.workers"
+        ).fetchone()
+    return row is not None and row[0] >= workers and row[1] >= 1
+
+
+def _stuck(url: str) -> str:
+    """What is left in the inbox and outbox, with the keys' repair records: for a failed drain."""
+    with psycopg.connect(url, autocommit=True) as c:
+        parts = []
+        for sql in (
+            "SELECT id, message_id, key, state, attempt, available_at, claimed_by FROM postbox.outbox ORDER BY id LIMIT 10",
+            "SELECT id, message_id, key, state, attempt, available_at, claimed_by FROM postbox.inbox ORDER BY id LIMIT 10",
+            "SELECT * FROM postbox.key_repairs LIMIT 10",
+            "SELECT id, kind, queue, heartbeat_at FROM postbox.workers",
+            "SELECT now()",
+        ):
+            parts.append(f"{sql}:\n" + "\n".join(map(str, c.execute(sql).fetchall())))  # type: ignore[arg-type]
+    return "\n".join(parts)
+
+
+def _drained(url: str, broker: BrokerLog) -> bool:
+    try:
+        with psycopg.connect(url, autocommit=True, connect_timeout=3) as c:
+            row = c.execute(
+                "SELECT (SELECT count(*) FROM postbox.inbox WHERE consumer = %s),"
+                " (SELECT count(*) FROM postbox.outbox),"
+                " (SELECT count(*) FROM chaos_effects)",
+                (CONSUMER,),
+            ).fetchone()
+    except psycopg.OperationalError:
+        return False
+    assert row is not None
+    delivered = {d.message_id for d in broker.received}
+    return row[0] == 0 and row[1] == 0 and len(delivered) >= row[2]
+
+
+def run_fault(
+    fault: Fault,
+    url: str,
+    *,
+    iterations: int,
+    cluster: PrivateCluster | None = None,
+    rate: float = 60.0,
+    keys: int = 40,
+    processes: int = 2,
+    drain_bound: float = 90.0,
+    seed: int = 1,
+) -> Result:
+    """Run ``fault`` ``iterations`` times under load against the migrated database at ``url``."""
+    with psycopg.connect(url, autocommit=True) as c:
+        c.execute(EFFECTS_DDL)
+    queue = f"postbox-chaos-{uuid.uuid4().hex[:8]}"
+    started = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="postbox-chaos-") as tmp:
+        logdir = Path(tmp)
+        config = logdir / "relay.toml"
+        proxy = Proxy("127.0.0.1", 5672)
+        _relay_config(config, proxy.port, queue)
+        broker = BrokerLog(queue)
+        broker.start()
+        env = {
+            "CHAOS_MAX_ATTEMPTS": str(MAX_ATTEMPTS),
+            "CHAOS_PERMANENT_RATE": "0.01",
+            "CHAOS_FAIL_RATE": "0.03",
+            **fault.env,
+        }
+        workers = Processes(
+            "worker",
+            ["--database-url", url, "worker", "--consumer", CONSUMER, "--app", APP, *WORKER_ARGS],
+            processes,
+            env,
+            logdir,
+        )
+        relays = Processes(
+            "relay", ["--config", str(config), "--database-url", url, "relay", *RELAY_ARGS], 1, {}, logdir
+        )
+        rig = Rig(url, workers, relays, proxy, cluster, random.Random(seed))
+        log = ProducerLog()
+        producers = Producers(url, CONSUMER, log, rate=rate, threads=2, keys=keys)
+        drain: float | None = None
+        try:
+            eventually(lambda: _registered(url, processes), timeout=60, what="processes started")
+            producers.start()
+            rig.wait(fault.gap)
+            for _ in range(iterations):
+                fault.inject(rig)
+                rig.wait(fault.hold)
+                fault.heal(rig)
+                rig.wait(fault.gap)
+            producers.stop()
+            healed = time.monotonic()
+            deadline = healed + drain_bound
+            while not _drained(url, broker):
+                if time.monotonic() > deadline:
+                    break
+                rig.tick()
+                time.sleep(0.1)
+            else:
+                drain = time.monotonic() - healed
+        finally:
+            if cluster is not None:
+                cluster.ensure_running()
+            producers.stop()
+            workers.stop()
+            relays.stop()
+            proxy.down()
+            broker.stop()
+        verdict = check(url, CONSUMER, log, broker.received, max_attempts=MAX_ATTEMPTS)
+        verdict.drain_seconds = None if drain is None else round(drain, 2)
+        notes = {**rig.notes, **workers.exits, **relays.exits}
+        notes["late completions refused by the fence"] = workers.count_in_logs("claims lost for")
+        notes = {k: v for k, v in notes.items() if v}
+        if drain is None:
+            worker_tail = workers.log_tail(workers.spawned)
+            raise AssertionError(
+                f"{fault.name}: backlog did not drain within {drain_bound}s: {verdict.problems()}"
+                f"\nlast worker log: {worker_tail}\nrelay log: {relays.log_tail(relays.spawned)}\n{_stuck(url)}"
+            )
+    return Result(fault.name, iterations, time.monotonic() - started, verdict, notes)
