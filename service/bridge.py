@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import random
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -24,7 +25,7 @@ from pydantic import ValidationError
 
 from service import metrics
 from service.errors import InvalidMessage
-from service.messages import InboxMessage
+from service.messages import InboxMessage, ReceiveResult
 from service.producer import receive_many
 
 __all__ = ["Bridge", "Incoming", "NatsSource", "RabbitMQSource", "RedisSource", "Source", "source_for"]
@@ -320,6 +321,35 @@ class Bridge:
                 warned = True
             self._stopping.wait(1.0)
 
+    def _store(
+        self, messages: list[InboxMessage], conn: psycopg.Connection[Any] | None
+    ) -> tuple[list[ReceiveResult] | None, psycopg.Connection[Any] | None]:
+        """Receive a batch and commit it, retrying with jittered backoff while the database is
+        unreachable (a retry after a commit whose outcome was lost finds duplicates: nothing is
+        stored twice). Committed first, acknowledged after: a crash in between means a redelivery.
+        Returns no results if the bridge is stopped meanwhile."""
+        failures = 0
+        while True:
+            try:
+                if conn is None or conn.closed or conn.broken:
+                    conn = psycopg.connect(self.url, application_name="postbox-bridge")
+                results = receive_many(conn, messages)
+                conn.commit()
+                return results, conn
+            except psycopg.OperationalError as error:
+                failures += 1
+                log.warning(
+                    "bridge: database unavailable (%s); retrying the batch of %d",
+                    str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__,
+                    len(messages),
+                    extra={"event": "bridge_db_unavailable", "consumer": self.consumer},
+                )
+                if conn is not None:
+                    conn.close()
+                conn = None
+                if self._stopping.wait(min(5.0, 0.1 * 2**failures) * random.uniform(0.5, 1.0)):
+                    return None, None
+
     def run(self) -> None:
         conn: psycopg.Connection[Any] | None = None
         self._wait_for_consumer()
@@ -342,10 +372,9 @@ class Bridge:
                         metrics.BRIDGE_MESSAGES.labels(self.consumer, "rejected").inc()
                         self.rejected += 1
                         self.source.reject(item)
-                if conn is None or conn.closed or conn.broken:
-                    conn = psycopg.connect(self.url, application_name="postbox-bridge")
-                results = receive_many(conn, [m for _, m in good])
-                conn.commit()  # committed first, then acknowledged: a crash in between means a redelivery
+                results, conn = self._store([m for _, m in good], conn)
+                if results is None:  # stopped while the database was unreachable: not acknowledged
+                    break
                 self.source.ack([i for i, _ in good])
                 self.received += sum(1 for r in results if r.is_new)
                 self.duplicates += sum(1 for r in results if not r.is_new)

@@ -17,6 +17,7 @@ from service.outcomes import Transient
 from service.transports import OutboxRow
 from service.transports.brokers import NatsTransport, RabbitMQTransport, RedisStreamsTransport
 from service.worker import Worker, WorkerSettings
+from tests.checker import terminate_backends
 from tests.helpers import FAST_WORKER, eventually, scalar, spawn_postbox
 from tests.test_transports import arrived_by_key
 
@@ -228,3 +229,25 @@ def test_bridge_waits_for_its_consumer_to_be_declared(database):
         b.stop()
         thread.join(timeout=30)
     assert not thread.is_alive()
+
+
+def test_bridge_keeps_going_when_its_database_connections_are_terminated(database):
+    """pg_terminate_backend on the bridge's connections while it bridges: it reconnects and retries
+    the batch (committed first, acknowledged after), so every message lands exactly once."""
+    make_transport, make_source = sources()["redis"]
+    t = make_transport()
+    b = Bridge(database.url, make_source(), "orders", batch_size=8, wait=0.1, origin="redis")
+    thread = threading.Thread(target=b.run)
+    thread.start()
+    try:
+        batch = rows(200, 10)
+        for i in range(0, 200, 20):
+            t.publish(batch[i : i + 20])
+            terminate_backends(database.url, "postbox-bridge")
+        eventually(lambda: scalar(database.url, "SELECT count(*) FROM postbox.inbox") == 200, timeout=60)
+    finally:
+        t.close()
+        b.stop()
+        thread.join(timeout=30)
+    assert not thread.is_alive()
+    assert scalar(database.url, "SELECT count(DISTINCT message_id) FROM postbox.inbox") == 200

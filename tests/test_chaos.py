@@ -47,8 +47,9 @@ def test_fault_keeps_every_invariant(fault: Fault, database) -> None:
     assert v.problems() == [], v.summary()
     assert v.ok > 0 and v.done > 0 and v.events_delivered == v.events_expected
     assert result.notes, "the fault was never injected"
-    if fault.name.startswith(("F1", "F2")):
-        # The victims held claims: their messages were taken over after the lease (a later attempt).
+    if fault.name.startswith(("F1", "F2")) and any("holding claims" in n for n in result.notes):
+        # A victim held claims when hit: its messages were taken over after the lease (a later
+        # attempt). (At this load a worker is sometimes idle; then there is nothing to take over.)
         assert v.lease_takeovers > 0
 
 

@@ -24,8 +24,11 @@ def _busy_pids(rig: Rig) -> set[int]:
 
 def _kill_worker(rig: Rig) -> None:
     """kill -9 of a worker with messages in flight (any worker if none has)."""
-    if rig.workers.signal_random(rig.rng, signal.SIGKILL, prefer=_busy_pids(rig)) is not None:
-        rig.note("kill -9")
+    p = rig.workers.signal_random(rig.rng, signal.SIGKILL, prefer=_busy_pids(rig))
+    if p is not None:
+        p.wait()
+        # Checked after it died: claims it still holds can only be taken over after their lease.
+        rig.note("kill -9 of a worker holding claims" if p.pid in _busy_pids(rig) else "kill -9")
 
 
 def _stop_worker(rig: Rig) -> None:
@@ -33,7 +36,8 @@ def _stop_worker(rig: Rig) -> None:
     p = rig.workers.signal_random(rig.rng, signal.SIGSTOP, prefer=_busy_pids(rig))
     if p is not None:
         rig.workers.stopped.add(p.pid)
-        rig.note("SIGSTOP")
+        # Checked once it is stopped: claims it still holds can only be taken over after their lease.
+        rig.note("SIGSTOP of a worker holding claims" if p.pid in _busy_pids(rig) else "SIGSTOP")
 
 
 def _continue_workers(rig: Rig) -> None:
