@@ -353,6 +353,39 @@ class Bench:
                     raise AssertionError(f"relay to RabbitMQ lost rows: {count} of {n}")
         return n_timed / elapsed, peak
 
+    def replay(self, n: int, batch: int = 500) -> float:
+        """Replay send-back rate (dead letters/s): n dead letters, each blocking its own key, sent back
+        in place by one replay job stepped as fast as it allows (rate unlimited, batch of 500)."""
+        url = self.fresh()
+        with psycopg.connect(url, autocommit=True) as c:
+            c.execute(
+                """WITH r AS (
+                       INSERT INTO postbox.inbox (consumer, message_id, key, position, payload, state, attempt)
+                       SELECT 'bench', 'm' || g, 'k' || g, g, '{"n": 1}', 'blocked', 5 FROM generate_series(1, %s) g
+                       RETURNING *)
+                   INSERT INTO postbox.dead_letters (origin, origin_id, consumer, message_id, key, position, payload,
+                                                     received_at, attempt, reason, ordering_policy, fingerprint)
+                   SELECT 'inbox', id, consumer, message_id, key, position, payload, received_at, 5,
+                          'attempts_exhausted', 'block', 'Bench: failure' FROM r""",
+                (n,),
+            )
+            c.execute("ANALYZE")
+            job = c.execute(
+                """SELECT postbox.dlq_replay('{"queue": "bench"}', reason => 'bench', rate => 100000,
+                                             max_in_flight => %s, batch_size => %s)""",
+                (n, batch),
+            ).fetchone()[0]
+            t0 = time.perf_counter()
+            while c.execute("SELECT (postbox.replay_step(%s)).replayed", (job,)).fetchone()[0] < n:
+                pass
+            elapsed = time.perf_counter() - t0
+            ready = c.execute(
+                "SELECT count(*) FROM postbox.inbox WHERE state = 'ready' AND replay_of IS NOT NULL"
+            ).fetchone()[0]
+            if ready != n:
+                raise AssertionError(f"replay sent back {ready} of {n}")
+        return n / elapsed
+
     def claim_cost(self, backlog: str, samples: int) -> float:
         """Median ms of one claim (1 message) + complete, with the given backlog present."""
         url = self.fresh()
@@ -490,6 +523,7 @@ def main() -> None:
         "pg_seconds": 3 if quick else 10,
         "relay": 4000 if quick else 20000,
         "claim_samples": 100 if quick else 500,
+        "replay": 1000 if quick else 5000,
         "lat_seconds": 3 if quick else 20,
         "peer_cap": 5 if quick else 6,
         "bound_seconds": 3 if quick else 5,
@@ -542,6 +576,7 @@ def main() -> None:
                 b.record(f"relay to {kind}, 500 keys, in order, confirmed", "rows/s", rate)
                 b.record(f"relay peak RSS ({kind})", "MB", rss)
             b.record("claim+complete, 10k ready", "ms", b.claim_cost("10k", sizes["claim_samples"]))
+            b.record("replay send-back, blocked dead letters, batch 500", "msg/s", b.replay(sizes["replay"]))
             if rep == 0:  # building the 1M backlog is the longest setup: once per run
                 b.record(
                     "claim+complete, 1M backlog (hot key 500k, 1k blocked)",
