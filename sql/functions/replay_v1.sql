@@ -94,6 +94,23 @@ LANGUAGE sql STABLE AS $$
         END
 $$;
 
+-- Internal: settle a job's items whose outcome is known: a replay succeeded when its dead letter
+-- became replayed, failed when it became replay_failed. Returns how many of each.
+CREATE OR REPLACE FUNCTION postbox.replay_settle_v1(p_job bigint, p_now timestamptz,
+                                                    OUT succeeded integer, OUT failed integer)
+LANGUAGE sql VOLATILE AS $$
+    WITH settled AS (
+        UPDATE postbox.replay_items it
+           SET state = CASE d.status WHEN 'replayed' THEN 'succeeded' ELSE 'failed' END,
+               finished_at = coalesce(d.status_changed_at, p_now)
+          FROM postbox.dead_letters d
+         WHERE it.job_id = p_job AND it.state = 'replaying' AND d.id = it.dead_letter_id
+           AND d.status IN ('replayed', 'replay_failed', 'discarded', 'resolved')
+        RETURNING it.state)
+    SELECT (count(*) FILTER (WHERE state = 'succeeded'))::integer, (count(*) FILTER (WHERE state = 'failed'))::integer
+      FROM settled
+$$;
+
 -- Advance a replay job by one step, in one transaction: settle the outcomes of messages sent back,
 -- apply the canary and the abort rule, then send back as many as the token bucket (rate per second,
 -- at most batch_size at once) and max_in_flight allow, per key in order. A key that is busy right
@@ -126,7 +143,17 @@ BEGIN
         END IF;
         RETURN v_job;   -- another process is stepping it
     END IF;
-    IF v_job.state NOT IN ('pending', 'running') THEN
+    IF v_job.state <> 'pending' AND v_job.state <> 'running' THEN
+        IF v_job.state IN ('paused', 'cancelled') THEN
+            -- Nothing is sent, but what was sent still settles, so the counters stay true.
+            SELECT * INTO v_succeeded, v_failed FROM postbox.replay_settle_v1(p_job, p_now);
+            IF v_succeeded + v_failed > 0 THEN
+                UPDATE postbox.replay_jobs
+                   SET succeeded = succeeded + v_succeeded, failed = failed + v_failed, updated_at = clock_timestamp()
+                 WHERE id = p_job
+                RETURNING * INTO v_job;
+            END IF;
+        END IF;
         RETURN v_job;
     END IF;
     IF v_job.state = 'pending' THEN
@@ -145,17 +172,7 @@ BEGIN
         v_job.state_reason := 'dry run: nothing was sent back; see the planned action of each item';
         v_job.finished_at := p_now;
     ELSE
-        -- Settle: a replay succeeded when its dead letter became replayed, failed when replay_failed.
-        WITH settled AS (
-            UPDATE postbox.replay_items it
-               SET state = CASE d.status WHEN 'replayed' THEN 'succeeded' ELSE 'failed' END,
-                   finished_at = coalesce(d.status_changed_at, p_now)
-              FROM postbox.dead_letters d
-             WHERE it.job_id = p_job AND it.state = 'replaying' AND d.id = it.dead_letter_id
-               AND d.status IN ('replayed', 'replay_failed', 'discarded', 'resolved')
-            RETURNING it.state)
-        SELECT count(*) FILTER (WHERE state = 'succeeded'), count(*) FILTER (WHERE state = 'failed')
-          INTO v_succeeded, v_failed FROM settled;
+        SELECT * INTO v_succeeded, v_failed FROM postbox.replay_settle_v1(p_job, p_now);
         v_job.succeeded := v_job.succeeded + v_succeeded;
         v_job.failed := v_job.failed + v_failed;
         v_finished := v_job.succeeded + v_job.failed;

@@ -59,7 +59,10 @@ SELECT * FROM postbox.replay_progress
  ORDER BY id DESC LIMIT CAST(:limit AS integer);
 
 -- name: replay_runnable
-SELECT id FROM postbox.replay_jobs WHERE state IN ('pending', 'running') ORDER BY id;
+SELECT id FROM postbox.replay_jobs
+ WHERE state IN ('pending', 'running', 'paused')
+    OR (state = 'cancelled' AND EXISTS (SELECT 1 FROM postbox.replay_items i WHERE i.job_id = replay_jobs.id AND i.state = 'replaying'))
+ ORDER BY id;
 
 -- name: replay_items
 SELECT ordinal, dead_letter_id, state, action, replayed_at, finished_at
