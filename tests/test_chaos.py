@@ -47,10 +47,10 @@ def test_fault_keeps_every_invariant(fault: Fault, database) -> None:
     assert v.problems() == [], v.summary()
     assert v.ok > 0 and v.done > 0 and v.events_delivered == v.events_expected
     assert result.notes, "the fault was never injected"
-    if fault.name.startswith(("F1", "F2")) and any("holding claims" in n for n in result.notes):
-        # A victim held claims when hit: its messages were taken over after the lease (a later
-        # attempt). (At this load a worker is sometimes idle; then there is nothing to take over.)
-        assert v.lease_takeovers > 0
+    # Lease takeovers are not asserted here: whether a victim still held claims when hit is a race
+    # with its last commit, which the server may finish after the kill. The full `make chaos` run
+    # reports them (63 under F1, 420 under F2 in the README's run); tests/test_invariants.py and
+    # tests/test_worker_process.py exercise the takeover path deterministically.
 
 
 @pytest.mark.parametrize("fault", [F4_IMMEDIATE, F4_FAST], ids=["immediate", "fast"])
