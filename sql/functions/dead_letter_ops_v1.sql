@@ -123,8 +123,8 @@ LANGUAGE sql STABLE AS $$
                       coalesce(a.error, '(no message)'), a.decision,
                       CASE WHEN a.explanation IS NOT NULL THEN ' (' || a.explanation || ')' ELSE '' END)
           FROM postbox.attempts a
-         WHERE (a.origin, a.origin_id) IN (SELECT origin, origin_id FROM dls)
-           AND a.message_id IN (SELECT message_id FROM dls)
+         WHERE EXISTS (SELECT 1 FROM dls WHERE dls.message_id = a.message_id AND dls.origin = a.origin
+                                            AND coalesce(dls.consumer, dls.destination) = a.queue)
         UNION ALL
         SELECT d.dead_lettered_at, format('dead-lettered as #%s', d.id),
                format('reason %s, key policy %s, after %s attempt(s): %s', d.reason, d.ordering_policy, d.attempt,
@@ -259,7 +259,8 @@ COMMENT ON FUNCTION postbox.dlq_edit_v1(bigint, jsonb, text, text)
     IS 'Operator: set the payload a replay of this open dead letter sends (versioned; the original is kept). Audited.';
 
 -- Internal: send one open dead letter back (the dead letter must be locked by the caller).
--- in_place: same message_id; a blocked head becomes the ready head again (fresh attempts), a message
+-- in_place: same message_id; a blocked head is replaced by a new row at its place, ready, with fresh
+-- attempts (a new row id, so a worker stalled since an old attempt stays fenced out); a message
 -- whose key moved on joins its key's queue (sequenced consumers apply their late policy to it).
 -- new_message: a new message (message_id '<original>:replay:<dead letter id>') that references the
 -- original in causation_id and headers, taking the blocked head's place, or joining the queue.
@@ -298,76 +299,60 @@ BEGIN
     END IF;
     IF p_dl.origin = 'inbox' THEN
         SELECT id, position INTO v_head_id, v_head_pos FROM postbox.inbox WHERE id = p_dl.origin_id AND state = 'blocked' FOR UPDATE;
-        IF v_head_id IS NOT NULL AND p_mode = 'in_place' THEN
-            UPDATE postbox.inbox
-               SET state = 'ready', available_at = p_now, attempt = 0, first_failed_at = NULL,
-                   last_failed_at = NULL, next_retry_at = NULL, last_error = NULL, last_error_type = NULL,
-                   claimed_by = NULL, claimed_at = NULL, payload = v_payload, replay_of = p_dl.id
-             WHERE id = v_head_id;
-            v_action := 'in place: head of its key again';
+        v_id := nextval(pg_get_serial_sequence('postbox.inbox', 'id'));
+        IF v_head_id IS NOT NULL THEN
+            DELETE FROM postbox.inbox WHERE id = v_head_id;
+            v_position := v_head_pos;   -- the new message takes the blocked head's place
+            v_action := CASE p_mode WHEN 'in_place' THEN 'in place' ELSE 'new message ' || v_message_id END
+                        || ': head of its key again (a new row: a stalled worker of an old attempt is fenced out)';
         ELSE
-            v_id := nextval(pg_get_serial_sequence('postbox.inbox', 'id'));
-            IF v_head_id IS NOT NULL THEN
-                DELETE FROM postbox.inbox WHERE id = v_head_id;
-                v_position := v_head_pos;   -- the new message takes the blocked head's place
-                v_action := 'new message ' || v_message_id || ': head of its key in place of the original';
-            ELSE
-                SELECT c.sequence_mode INTO v_mode FROM postbox.consumers c WHERE c.name = p_dl.consumer;
-                v_position := CASE WHEN coalesce(v_mode, 'arrival') = 'arrival' OR p_dl.sequence IS NULL
-                                   THEN v_id ELSE p_dl.sequence END;
-                v_action := CASE p_mode WHEN 'in_place' THEN 'in place' ELSE 'new message ' || v_message_id END
-                            || ': joined the queue of its key (the key had moved on)';
-            END IF;
-            INSERT INTO postbox.inbox (id, consumer, message_id, key, sequence, position, type, schema_version,
-                                       payload, headers, correlation_id, causation_id, source, received_at, state,
-                                       available_at, replay_of)
-            VALUES (v_id, p_dl.consumer, v_message_id, p_dl.key, p_dl.sequence, v_position, p_dl.type,
-                    p_dl.schema_version, v_payload, v_headers, coalesce(p_dl.correlation_id, p_dl.message_id),
-                    v_causation, p_dl.source, CASE p_mode WHEN 'in_place' THEN p_dl.received_at ELSE p_now END,
-                    CASE WHEN v_head_id IS NOT NULL THEN 'ready' ELSE 'pending' END, p_now, p_dl.id);
-            IF p_mode = 'new_message' THEN
-                INSERT INTO postbox.inbox_dedup (consumer, message_id, payload_hash, inbox_id, received_at)
-                VALUES (p_dl.consumer, v_message_id, decode(md5(v_payload::text), 'hex'), v_id, p_now)
-                ON CONFLICT DO NOTHING;
-            ELSE
-                UPDATE postbox.inbox_dedup SET inbox_id = v_id WHERE consumer = p_dl.consumer AND message_id = v_message_id;
-            END IF;
-            IF v_head_id IS NULL THEN
-                PERFORM postbox.inbox_promote_v1(p_dl.consumer, p_dl.key, p_now);
-            END IF;
+            SELECT c.sequence_mode INTO v_mode FROM postbox.consumers c WHERE c.name = p_dl.consumer;
+            v_position := CASE WHEN coalesce(v_mode, 'arrival') = 'arrival' OR p_dl.sequence IS NULL
+                               THEN v_id ELSE p_dl.sequence END;
+            v_action := CASE p_mode WHEN 'in_place' THEN 'in place' ELSE 'new message ' || v_message_id END
+                        || ': joined the queue of its key (the key had moved on)';
+        END IF;
+        INSERT INTO postbox.inbox (id, consumer, message_id, key, sequence, position, type, schema_version,
+                                   payload, headers, correlation_id, causation_id, source, received_at, state,
+                                   available_at, replay_of)
+        VALUES (v_id, p_dl.consumer, v_message_id, p_dl.key, p_dl.sequence, v_position, p_dl.type,
+                p_dl.schema_version, v_payload, v_headers, coalesce(p_dl.correlation_id, p_dl.message_id),
+                v_causation, p_dl.source, CASE p_mode WHEN 'in_place' THEN p_dl.received_at ELSE p_now END,
+                CASE WHEN v_head_id IS NOT NULL THEN 'ready' ELSE 'pending' END, p_now, p_dl.id);
+        IF p_mode = 'new_message' THEN
+            INSERT INTO postbox.inbox_dedup (consumer, message_id, payload_hash, inbox_id, received_at)
+            VALUES (p_dl.consumer, v_message_id, decode(md5(v_payload::text), 'hex'), v_id, p_now)
+            ON CONFLICT DO NOTHING;
+        ELSE
+            UPDATE postbox.inbox_dedup SET inbox_id = v_id WHERE consumer = p_dl.consumer AND message_id = v_message_id;
+        END IF;
+        IF v_head_id IS NULL THEN
+            PERFORM postbox.inbox_promote_v1(p_dl.consumer, p_dl.key, p_now);
         END IF;
         IF postbox.notify_enabled_v1() THEN
             PERFORM pg_notify('postbox_inbox', p_dl.consumer);
         END IF;
     ELSE
         SELECT id, position INTO v_head_id, v_head_pos FROM postbox.outbox WHERE id = p_dl.origin_id AND state = 'blocked' FOR UPDATE;
-        IF v_head_id IS NOT NULL AND p_mode = 'in_place' THEN
-            UPDATE postbox.outbox
-               SET state = 'ready', available_at = p_now, attempt = 0, first_failed_at = NULL,
-                   last_failed_at = NULL, next_retry_at = NULL, last_error = NULL, last_error_type = NULL,
-                   claimed_by = NULL, claimed_at = NULL, payload = v_payload, replay_of = p_dl.id
-             WHERE id = v_head_id;
-            v_action := 'in place: head of its key again';
+        v_id := nextval(pg_get_serial_sequence('postbox.outbox', 'id'));
+        IF v_head_id IS NOT NULL THEN
+            DELETE FROM postbox.outbox WHERE id = v_head_id;
+            v_position := v_head_pos;
+            v_action := CASE p_mode WHEN 'in_place' THEN 'in place' ELSE 'new message ' || v_message_id END
+                        || ': head of its key again (a new row: a stalled worker of an old attempt is fenced out)';
         ELSE
-            v_id := nextval(pg_get_serial_sequence('postbox.outbox', 'id'));
-            IF v_head_id IS NOT NULL THEN
-                DELETE FROM postbox.outbox WHERE id = v_head_id;
-                v_position := v_head_pos;
-                v_action := 'new message ' || v_message_id || ': head of its key in place of the original';
-            ELSE
-                v_position := v_id;
-                v_action := CASE p_mode WHEN 'in_place' THEN 'in place' ELSE 'new message ' || v_message_id END
-                            || ': joined the queue of its key (the key had moved on)';
-            END IF;
-            INSERT INTO postbox.outbox (id, destination, message_id, key, position, type, payload, headers,
-                                        correlation_id, causation_id, created_at, state, available_at, replay_of)
-            VALUES (v_id, p_dl.destination, v_message_id, p_dl.key, v_position, p_dl.type, v_payload, v_headers,
-                    coalesce(p_dl.correlation_id, p_dl.message_id), v_causation,
-                    CASE p_mode WHEN 'in_place' THEN p_dl.received_at ELSE p_now END,
-                    CASE WHEN v_head_id IS NOT NULL THEN 'ready' ELSE 'pending' END, p_now, p_dl.id);
-            IF v_head_id IS NULL THEN
-                PERFORM postbox.outbox_promote_v1(p_dl.destination, p_dl.key, p_now);
-            END IF;
+            v_position := v_id;
+            v_action := CASE p_mode WHEN 'in_place' THEN 'in place' ELSE 'new message ' || v_message_id END
+                        || ': joined the queue of its key (the key had moved on)';
+        END IF;
+        INSERT INTO postbox.outbox (id, destination, message_id, key, position, type, payload, headers,
+                                    correlation_id, causation_id, created_at, state, available_at, replay_of)
+        VALUES (v_id, p_dl.destination, v_message_id, p_dl.key, v_position, p_dl.type, v_payload, v_headers,
+                coalesce(p_dl.correlation_id, p_dl.message_id), v_causation,
+                CASE p_mode WHEN 'in_place' THEN p_dl.received_at ELSE p_now END,
+                CASE WHEN v_head_id IS NOT NULL THEN 'ready' ELSE 'pending' END, p_now, p_dl.id);
+        IF v_head_id IS NULL THEN
+            PERFORM postbox.outbox_promote_v1(p_dl.destination, p_dl.key, p_now);
         END IF;
         IF postbox.notify_enabled_v1() THEN
             PERFORM pg_notify('postbox_outbox', p_dl.destination);
