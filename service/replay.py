@@ -79,6 +79,7 @@ class ReplayJob:
     succeeded: int
     failed: int
     skipped: int
+    tokens: float
     in_flight: int
     waiting: int
     percent_done: float | None
@@ -192,16 +193,12 @@ class ReplayRunner:
     def stop(self) -> None:
         self.stop_event.set()
 
-    def _delay(self, conn: psycopg.Connection[Any], job: ReplayJob) -> float:
+    def _delay(self, job: ReplayJob) -> float:
         """How long until the job can send its next message (or should check outcomes again)."""
-        if job.state != "running" or job.waiting == 0:
+        if job.state != "running" or job.waiting == 0 or job.tokens >= 1:
+            # Tokens left but nothing sent: waiting for outcomes (in flight, canary) or a busy key.
             return self.poll_interval
-        rows = run_dicts(conn, query("replay_tokens"), {"job": job.id})
-        tokens = float(rows[0]["tokens"]) if rows else 0.0
-        if tokens < 1:
-            return min(self.poll_interval, max(0.001, (1.0 - tokens) / job.rate))
-        # Tokens left but nothing sent: waiting for outcomes (in flight, canary) or for a busy key.
-        return self.poll_interval
+        return min(self.poll_interval, max(0.001, (1.0 - job.tokens) / job.rate))
 
     def run_job(self, job_id: int, on_progress: Callable[[ReplayJob], None] | None = None) -> ReplayJob:
         """Step one job until it is done, aborted or cancelled (a paused job is waited for), or the
@@ -217,7 +214,7 @@ class ReplayRunner:
                             on_progress(job)
                         if job.finished:
                             return job
-                        if self._sleep(self._delay(conn, job)):
+                        if self._sleep(self._delay(job)):
                             return job
             except psycopg.OperationalError as error:
                 failures += 1
@@ -237,7 +234,7 @@ class ReplayRunner:
                         for row in run_dicts(conn, query("replay_runnable"), {}):
                             job = step(conn, int(row["id"]), self.clock.now(), self.runner_id)
                             if not job.finished:
-                                delay = min(delay, self._delay(conn, job))
+                                delay = min(delay, self._delay(job))
                         if self._sleep(delay):
                             return
             except psycopg.OperationalError as error:

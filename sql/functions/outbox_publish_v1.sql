@@ -87,7 +87,13 @@ BEGIN
     IF messages IS NULL OR jsonb_typeof(messages) <> 'array' THEN
         PERFORM postbox.reject_v1('messages', 'must be a JSON array');
     END IF;
-    FOR m, n IN SELECT e.value, e.ordinality FROM jsonb_array_elements(messages) WITH ORDINALITY e LOOP
+    -- Keys in one global order (destination, key), each key's rows in their given order: two batches
+    -- that each start several idle keys then wait for each other's head inserts in the same order,
+    -- so they cannot deadlock.
+    FOR m, n IN SELECT e.value, e.ordinality FROM jsonb_array_elements(messages) WITH ORDINALITY e
+                 ORDER BY CASE WHEN jsonb_typeof(e.value) = 'object' THEN e.value ->> 'destination' END,
+                          CASE WHEN jsonb_typeof(e.value) = 'object' THEN coalesce(e.value ->> 'key', e.value ->> 'message_id') END,
+                          e.ordinality LOOP
         IF jsonb_typeof(m) <> 'object' THEN
             PERFORM postbox.reject_v1(format('messages[%s]', n), 'must be a JSON object');
         END IF;

@@ -327,7 +327,7 @@ COMMENT ON FUNCTION postbox.replay_cancel_v1(bigint, text, text) IS 'Operator: c
 -- Replay jobs at a glance.
 CREATE OR REPLACE VIEW postbox.replay_progress AS
 SELECT j.id, j.state, j.state_reason, j.mode, j.dry_run, j.rate, j.batch_size, j.max_in_flight, j.canary,
-       j.total, j.replayed, j.succeeded, j.failed, j.skipped,
+       j.total, j.replayed, j.succeeded, j.failed, j.skipped, j.tokens,
        (SELECT count(*) FROM postbox.replay_items i WHERE i.job_id = j.id AND i.state = 'replaying') AS in_flight,
        (SELECT count(*) FROM postbox.replay_items i WHERE i.job_id = j.id AND i.state = 'pending') AS waiting,
        CASE WHEN j.total > 0 THEN round(100.0 * (j.succeeded + j.failed + j.skipped) / j.total, 1) END AS percent_done,

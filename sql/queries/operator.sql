@@ -50,9 +50,6 @@ SELECT (postbox.replay_step_v1(CAST(:job AS bigint), CAST(:now AS timestamptz), 
 -- name: replay_get
 SELECT * FROM postbox.replay_progress WHERE id = CAST(:job AS bigint);
 
--- name: replay_tokens
-SELECT tokens FROM postbox.replay_jobs WHERE id = CAST(:job AS bigint);
-
 -- name: replay_list
 SELECT * FROM postbox.replay_progress
  WHERE NOT CAST(:active_only AS boolean) OR state IN ('pending', 'running', 'paused')
