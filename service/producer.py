@@ -14,7 +14,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from service.db import AnyAsyncConnection, AnySyncConnection, query, run, run_async
-from service.db.connector import first
+from service.db.connector import Rows, first
 from service.errors import InvalidMessage
 from service.messages import (
     InboxMessage,
@@ -22,6 +22,7 @@ from service.messages import (
     ReceiveResult,
     ReceiveStatus,
     invalid_message_from,
+    plain_inbox_item,
     to_json,
 )
 
@@ -60,11 +61,17 @@ def _outbox(message: OutboxMessage | None, fields: dict[str, Any], prefix: str =
         raise invalid_message_from(error, prefix) from None
 
 
-def _inbox_batch(messages: Iterable[InboxMessage | dict[str, Any]]) -> list[InboxMessage]:
-    checked = []
+def _inbox_items(messages: Iterable[InboxMessage | dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each message checked, as the batch function's fields (plain dicts skip pydantic when they
+    are plainly valid; anything else goes through the model, which names the bad field)."""
+    items = []
     for i, m in enumerate(messages):
-        checked.append(m if isinstance(m, InboxMessage) else _inbox(None, m, f"messages[{i}]."))
-    return checked
+        if isinstance(m, InboxMessage):
+            items.append(m.batch_item())
+            continue
+        item = plain_inbox_item(m) if isinstance(m, dict) else None
+        items.append(item if item is not None else _inbox(None, m, f"messages[{i}].").batch_item())
+    return items
 
 
 def _outbox_batch(messages: Iterable[OutboxMessage | dict[str, Any]]) -> list[OutboxMessage]:
@@ -74,22 +81,46 @@ def _outbox_batch(messages: Iterable[OutboxMessage | dict[str, Any]]) -> list[Ou
     return checked
 
 
-def _inbox_arrays(batch: list[InboxMessage]) -> dict[str, Any]:
-    """Bind parameters for ``inbox_receive_arrays``: one list per field (arrays travel faster than
-    a JSON document the database has to take apart again)."""
-    return {
-        "consumers": [m.consumer for m in batch],
-        "message_ids": [m.message_id for m in batch],
-        "payloads": [to_json(m.payload) for m in batch],
-        "keys": [m.key for m in batch],
-        "types": [m.type for m in batch],
-        "sequences": [m.sequence for m in batch],
-        "headers": [to_json(m.headers) for m in batch],
-        "schema_versions": [m.schema_version for m in batch],
-        "correlation_ids": [m.correlation_id for m in batch],
-        "causation_ids": [m.causation_id for m in batch],
-        "sources": [m.source for m in batch],
-    }
+def _column(items: list[dict[str, Any]], field: str, default: Any = None) -> list[Any] | None:
+    values = [m[field] for m in items]
+    return None if all(v == default for v in values) else values
+
+
+def _inbox_calls(items: list[dict[str, Any]]) -> list[tuple[list[int], dict[str, Any]]]:
+    """Bind parameters for ``inbox_receive_columns``, one call per consumer (one for a batch to a
+    single consumer): the positions of its messages in the batch, and its columns. Payloads and
+    headers travel as one JSON array each, a field absent from every message as NULL."""
+    groups: dict[str, list[int]] = {}
+    for i, m in enumerate(items):
+        groups.setdefault(m["consumer"], []).append(i)
+    calls = []
+    for consumer, positions in groups.items():
+        part = items if len(groups) == 1 else [items[i] for i in positions]
+        headers = [m["headers"] for m in part]
+        calls.append(
+            (
+                positions,
+                {
+                    "consumer": consumer,
+                    "message_ids": [m["message_id"] for m in part],
+                    "payloads": to_json([m["payload"] for m in part]),
+                    "keys": _column(part, "key"),
+                    "types": _column(part, "type"),
+                    "sequences": _column(part, "sequence"),
+                    "headers": to_json(headers) if any(headers) else None,
+                    "schema_versions": _column(part, "schema_version", 1),
+                    "correlation_ids": _column(part, "correlation_id"),
+                    "causation_ids": _column(part, "causation_id"),
+                    "sources": _column(part, "source"),
+                },
+            )
+        )
+    return calls
+
+
+def _place(results: list[ReceiveResult | None], positions: list[int], rows: Rows) -> None:
+    for position, row in zip(positions, rows, strict=True):
+        results[position] = _receive_result(row[1:])
 
 
 def _receive_result(row: Sequence[Any]) -> ReceiveResult:
@@ -114,12 +145,13 @@ def receive(conn: AnySyncConnection, message: InboxMessage | None = None, /, **f
 def receive_many(
     conn: AnySyncConnection, messages: Iterable[InboxMessage | dict[str, Any]]
 ) -> list[ReceiveResult]:
-    """Receive several messages in one round trip; results are in the same order."""
-    batch = _inbox_batch(messages)
-    if not batch:
-        return []
-    rows = run(conn, query("inbox_receive_arrays"), _inbox_arrays(batch))
-    return [_receive_result(r[1:]) for r in rows]
+    """Receive several messages, results in the same order: one round trip per consumer in the
+    batch (one for the usual batch to a single consumer)."""
+    items = _inbox_items(messages)
+    results: list[ReceiveResult | None] = [None] * len(items)
+    for positions, params in _inbox_calls(items):
+        _place(results, positions, run(conn, query("inbox_receive_columns"), params))
+    return results  # type: ignore[return-value]  # every position is filled
 
 
 async def receive_async(
@@ -134,11 +166,11 @@ async def receive_many_async(
     conn: AnyAsyncConnection, messages: Iterable[InboxMessage | dict[str, Any]]
 ) -> list[ReceiveResult]:
     """:func:`receive_many` for async connections."""
-    batch = _inbox_batch(messages)
-    if not batch:
-        return []
-    rows = await run_async(conn, query("inbox_receive_arrays"), _inbox_arrays(batch))
-    return [_receive_result(r[1:]) for r in rows]
+    items = _inbox_items(messages)
+    results: list[ReceiveResult | None] = [None] * len(items)
+    for positions, params in _inbox_calls(items):
+        _place(results, positions, await run_async(conn, query("inbox_receive_columns"), params))
+    return results  # type: ignore[return-value]  # every position is filled
 
 
 # --- outbox ----------------------------------------------------------------------------------

@@ -114,10 +114,21 @@ def test_anything_invalid_takes_the_checking_path(conn, change):
 
 
 def test_the_same_id_twice_in_a_batch(conn):
-    """Twice the same id in one batch goes element by element: the second is a duplicate."""
-    batch = [{"consumer": "c", "message_id": "m", "payload": 1}] * 2
-    assert not _fast(conn, batch)
-    assert [r.status.value for r in service.receive_many(conn, batch)] == ["new", "duplicate"]
+    """The same id again in one batch is set-based too, with the outcomes of one-at-a-time receives:
+    the first is new, a repeat is a duplicate (same payload) or a conflict (another payload)."""
+    batch = [
+        {"consumer": "set", "message_id": "m", "key": "k", "payload": 1},
+        {"consumer": "set", "message_id": "m", "key": "k", "payload": 1},
+        {"consumer": "set", "message_id": "m", "key": "k", "payload": 2},
+        {"consumer": "set", "message_id": "n", "key": "k", "payload": 3},
+    ]
+    assert _fast(conn, batch)
+    results = service.receive_many(conn, batch)
+    one = [service.receive(conn, **(m | {"consumer": "one"})) for m in batch]
+    assert [r.status.value for r in results] == [r.status.value for r in one]
+    assert [r.status.value for r in results] == ["new", "duplicate", "conflict", "new"]
+    assert results[1].inbox_id == results[2].inbox_id == results[0].inbox_id
+    assert _inbox(conn, "set") == _inbox(conn, "one") == [("m", "k", "ready"), ("n", "k", "pending")]
 
 
 def test_sequenced_and_refused_consumers_take_the_checking_path(conn):
@@ -157,3 +168,78 @@ def test_array_batch_checks_what_python_did_not(conn):
             " ARRAY['{}'::jsonb, NULL], NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL)"
         )
     assert info.value.diag.column_name == "payload"
+
+
+def test_python_sends_one_call_per_consumer(conn):
+    """A batch for several consumers is received consumer by consumer; results keep the batch's
+    order and each consumer's messages keep theirs."""
+    batch = [
+        {"consumer": "a" if i % 3 else "b", "message_id": f"m{i}", "key": "k", "payload": i} for i in range(9)
+    ]
+    results = service.receive_many(conn, batch)
+    assert [r.status.value for r in results] == ["new"] * 9
+    for consumer in ("a", "b"):
+        ids = [r.inbox_id for r, m in zip(results, batch, strict=True) if m["consumer"] == consumer]
+        assert ids == sorted(ids)
+        assert [m for m, _, _ in _inbox(conn, consumer)] == [
+            m["message_id"] for m in batch if m["consumer"] == consumer
+        ]
+    assert service.receive_many(conn, []) == []
+
+
+def test_columns_form_from_sql(conn):
+    """Drivers may send one consumer and a column per field (payloads as one JSON array): same
+    outcomes; absent columns are NULL; an empty batch returns nothing."""
+    rows = conn.execute(
+        "SELECT status FROM postbox.inbox_receive_columns_v1('c', ARRAY['m1', 'm2', 'm1'], "
+        "'[{\"a\": 1}, 2, {\"a\": 1}]', keys => ARRAY['k', 'k', 'k'],"
+        " headers => '[{}, {\"h\": 1}, {}]') ORDER BY ordinality"
+    ).fetchall()
+    assert [r[0] for r in rows] == ["new", "new", "duplicate"]
+    assert _inbox(conn, "c") == [("m1", "k", "ready"), ("m2", "k", "pending")]
+    row = conn.execute("SELECT headers FROM postbox.inbox WHERE message_id = 'm2'").fetchone()
+    assert row is not None and row[0] == {"h": 1}
+    assert conn.execute("SELECT * FROM postbox.inbox_receive_columns_v1('c', '{}', '[]')").fetchall() == []
+
+
+@pytest.mark.parametrize(
+    ("call", "field"),
+    [
+        ("postbox.inbox_receive_columns_v1('c', ARRAY['m1', 'm2'], '[1]')", "payloads"),
+        ("postbox.inbox_receive_columns_v1('c', ARRAY['m1'], '{\"a\": 1}')", "payloads"),
+        ("postbox.inbox_receive_columns_v1('c', ARRAY['m1'], '[1]', keys => ARRAY['k', 'l'])", "keys"),
+        ("postbox.inbox_receive_columns_v1('c', ARRAY['m1'], '[1]', headers => '[]')", "headers"),
+        ("postbox.inbox_receive_columns_v1(NULL, ARRAY['m1'], '[1]')", "consumer"),
+        ("postbox.inbox_receive_columns_v1('c', NULL, '[]')", "message_ids"),
+        ("postbox.inbox_receive_columns_v1('c', ARRAY['m1', NULL], '[1, 2]')", "message_id"),
+        (
+            "postbox.inbox_receive_arrays_v1(ARRAY['c', 'c'], ARRAY['m1', 'm2'], ARRAY['1'::jsonb, '2'],"
+            " ARRAY['k'], NULL, NULL, NULL, NULL, NULL, NULL, NULL)",
+            "keys",
+        ),
+        (
+            "postbox.inbox_receive_arrays_v1(ARRAY['c', NULL], ARRAY['m1', 'm2'], ARRAY['1'::jsonb, '2'],"
+            " NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL)",
+            "consumer",
+        ),
+    ],
+    ids=[
+        "short-payloads",
+        "payloads-object",
+        "long-keys",
+        "short-headers",
+        "no-consumer",
+        "no-ids",
+        "null-id",
+        "arrays-short-keys",
+        "arrays-null-consumer",
+    ],
+)
+def test_column_and_array_shapes_are_checked(conn, call, field):
+    """Columns of the wrong length (which unnest would silently pad) and missing required values are
+    refused with the field named, before anything is written."""
+    with pytest.raises(psycopg.errors.InvalidParameterValue) as info:
+        conn.execute(f"SELECT * FROM {call}")
+    assert info.value.diag.column_name == field
+    conn.rollback()
+    assert conn.execute("SELECT count(*) FROM postbox.inbox_dedup").fetchone() == (0,)

@@ -40,6 +40,21 @@ BEGIN
 END
 $$;
 
+-- A batch given as one array per field: every array that is not NULL has one element per message.
+CREATE OR REPLACE FUNCTION postbox.check_batch_arrays_v1(n integer, lengths integer[], fields text[])
+RETURNS void
+LANGUAGE plpgsql IMMUTABLE AS $$
+DECLARE
+    i integer;
+BEGIN
+    FOR i IN 1 .. coalesce(cardinality(lengths), 0) LOOP
+        IF lengths[i] <> n THEN
+            PERFORM postbox.reject_v1(fields[i], format('has %s elements for %s messages', lengths[i], n));
+        END IF;
+    END LOOP;
+END
+$$;
+
 -- The key lock: an advisory lock on one key of the inbox (class 1) or outbox (class 2). Whoever
 -- decides which message becomes a key's head holds it exclusively, and only ever by trying
 -- (workers, relays: pg_try_advisory_xact_lock, never waiting); a producer's commit holds it shared

@@ -172,36 +172,34 @@ DECLARE
     v_new       bigint[];
     v_notify    text[];
 BEGIN
-    WITH e AS (
-        SELECT u.*
+    -- Ids are taken in the arrays' order (unnest emits its rows in order, and nextval runs as
+    -- each row is emitted); wide rows are never sorted or copied more than the inserts need.
+    WITH m AS MATERIALIZED (
+        SELECT u.n, nextval('postbox.inbox_id_seq') AS id, u.consumer, u.message_id,
+               coalesce(u.key, u.message_id) AS key, u.sequence, u.type, coalesce(u.schema_version, 1) AS schema_version,
+               u.payload, coalesce(u.headers, '{}'::jsonb) AS headers, u.correlation_id, u.causation_id, u.source
           FROM unnest(consumers, message_ids, payloads, keys, types, sequences, headers, schema_versions,
                       correlation_ids, causation_ids, sources) WITH ORDINALITY
                AS u(consumer, message_id, payload, key, type, sequence, headers, schema_version,
-                    correlation_id, causation_id, source, n)
-         ORDER BY u.n
-        OFFSET 0),
-    m AS MATERIALIZED (
-        SELECT e.n, nextval('postbox.inbox_id_seq') AS id, e.consumer, e.message_id,
-               coalesce(e.key, e.message_id) AS key, e.sequence, e.type, coalesce(e.schema_version, 1) AS schema_version,
-               e.payload, coalesce(e.headers, '{}'::jsonb) AS headers, e.correlation_id, e.causation_id, e.source
-          FROM e),
+                    correlation_id, causation_id, source, n)),
     d AS (
+        -- The ledger keeps the first of each id (a later one in the same batch is not new either).
         INSERT INTO postbox.inbox_dedup (consumer, message_id, payload_hash, inbox_id)
-        SELECT m.consumer, m.message_id, decode(md5(m.payload::text), 'hex'), m.id FROM m ORDER BY m.id
+        SELECT m.consumer, m.message_id, decode(md5(m.payload::text), 'hex'), m.id FROM m
         ON CONFLICT (consumer, message_id) DO NOTHING
         RETURNING inbox_id AS id),
-    fresh AS MATERIALIZED (
-        SELECT m.* FROM m JOIN d ON d.id = m.id),
     h AS (
         -- The first new message of a key becomes its head, unless the key has a head already or
-        -- queued messages (never overtake them).
+        -- queued messages (never overtake them). Keys are taken in one global order, so two
+        -- batches starting the same keys never wait for each other in a cycle.
         INSERT INTO postbox.inbox AS i (id, consumer, message_id, key, sequence, position, type, schema_version,
                                         payload, headers, correlation_id, causation_id, source, state)
         SELECT DISTINCT ON (f.consumer, f.key)
                f.id, f.consumer, f.message_id, f.key, f.sequence, f.id, f.type, f.schema_version,
                f.payload, f.headers, f.correlation_id, f.causation_id, f.source, 'ready'
-          FROM fresh f
-         WHERE NOT EXISTS (SELECT 1 FROM postbox.inbox p
+          FROM m f
+         WHERE f.id IN (SELECT d.id FROM d)
+           AND NOT EXISTS (SELECT 1 FROM postbox.inbox p
                             WHERE p.consumer = f.consumer AND p.key = f.key AND p.state = 'pending'
                               AND p.position < f.id)
          ORDER BY f.consumer, f.key, f.id
@@ -213,11 +211,10 @@ BEGIN
                                    payload, headers, correlation_id, causation_id, source, state)
         SELECT f.id, f.consumer, f.message_id, f.key, f.sequence, f.id, f.type, f.schema_version,
                f.payload, f.headers, f.correlation_id, f.causation_id, f.source, 'pending'
-          FROM fresh f
-         WHERE f.id NOT IN (SELECT h.id FROM h)
-         ORDER BY f.id)
+          FROM m f
+         WHERE f.id IN (SELECT d.id FROM d) AND f.id NOT IN (SELECT h.id FROM h))
     SELECT (SELECT array_agg(m.id ORDER BY m.n) FROM m),
-           (SELECT array_agg(f.id) FROM fresh f),
+           (SELECT array_agg(d.id) FROM d),
            (SELECT array_agg(DISTINCT h.consumer) FROM h)
       INTO v_ids, v_new, v_notify;
     IF v_notify IS NOT NULL AND postbox.notify_enabled_v1() THEN
@@ -244,20 +241,18 @@ $$;
 COMMENT ON FUNCTION postbox.inbox_receive_rows_v1(text[], text[], jsonb[], text[], text[], bigint[], jsonb[], integer[], text[], text[], text[])
     IS 'Internal: the set-based core of a checked batch receive.';
 
--- Batch form with one array per field (what drivers send fastest: no JSON envelope to parse);
--- element i of every array is message i. Same checks and outcomes as inbox_receive_v1 per message:
--- a batch that is not valid as a whole, or goes to a consumer ordered by sequence, is received
--- through inbox_receive_batch_v1, which names the bad element.
-CREATE OR REPLACE FUNCTION postbox.inbox_receive_arrays_v1(
+-- Whether a batch given as arrays can be received set-based: every element valid exactly as
+-- inbox_receive_v1 checks it (same lengths, payload size), for a consumer in arrival mode (or an
+-- undeclared one while none is declared). If not, the caller takes the element-by-element path,
+-- which names the bad element and field.
+CREATE OR REPLACE FUNCTION postbox.inbox_receive_arrays_ok_v1(
     consumers text[], message_ids text[], payloads jsonb[], keys text[], types text[], sequences bigint[],
     headers jsonb[], schema_versions integer[], correlation_ids text[], causation_ids text[], sources text[])
-RETURNS TABLE (ordinality bigint, status text, inbox_id bigint)
-LANGUAGE plpgsql VOLATILE SET plan_cache_mode = force_custom_plan AS $$
-#variable_conflict use_column
-DECLARE
-    v_ok boolean;
-BEGIN
-    SELECT coalesce(bool_and(
+RETURNS boolean
+LANGUAGE sql STABLE AS $$
+    -- Same id twice in the batch needs no special path: the ledger insert keeps the first, and the
+    -- later ones come back duplicate or conflict, as they would one at a time.
+    SELECT coalesce(bool_and(coalesce(   -- a NULL (missing required field) counts as invalid
                octet_length(u.consumer) BETWEEN 1 AND 200
                AND octet_length(u.message_id) BETWEEN 1 AND 512
                AND coalesce(octet_length(u.key) BETWEEN 1 AND 1024, true)
@@ -271,14 +266,38 @@ BEGIN
                AND coalesce(u.schema_version, 1) >= 1
                AND jsonb_typeof(coalesce(u.headers, '{}'::jsonb)) = 'object'
                AND (CASE WHEN c.name IS NULL THEN NOT EXISTS (SELECT 1 FROM postbox.consumers d WHERE d.declared)
-                         ELSE c.sequence_mode = 'arrival' END)), true)
-           AND count(DISTINCT (u.consumer, u.message_id)) = count(*)
-      INTO v_ok
+                         ELSE c.sequence_mode = 'arrival' END), false)), true)
       FROM unnest(consumers, message_ids, payloads, keys, types, sequences, headers, schema_versions,
                   correlation_ids, causation_ids, sources)
            AS u(consumer, message_id, payload, key, type, sequence, headers, schema_version,
                 correlation_id, causation_id, source)
-      LEFT JOIN postbox.consumers c ON c.name = u.consumer;
+      LEFT JOIN postbox.consumers c ON c.name = u.consumer
+$$;
+
+-- Batch form with one array per field (what drivers send fastest: no JSON envelope to parse);
+-- element i of every array is message i. Same checks and outcomes as inbox_receive_v1 per message:
+-- a batch that is not valid as a whole, or goes to a consumer ordered by sequence, is received
+-- through inbox_receive_batch_v1, which names the bad element.
+CREATE OR REPLACE FUNCTION postbox.inbox_receive_arrays_v1(
+    consumers text[], message_ids text[], payloads jsonb[], keys text[], types text[], sequences bigint[],
+    headers jsonb[], schema_versions integer[], correlation_ids text[], causation_ids text[], sources text[])
+RETURNS TABLE (ordinality bigint, status text, inbox_id bigint)
+LANGUAGE plpgsql VOLATILE SET plan_cache_mode = force_custom_plan AS $$
+#variable_conflict use_column
+DECLARE
+    v_ok boolean;
+    v_n  integer := coalesce(cardinality(message_ids), 0);
+BEGIN
+    -- Element i of every array is message i: an array of another length would shift or drop
+    -- fields silently (unnest pads the shorter ones), so it is refused.
+    PERFORM postbox.check_batch_arrays_v1(v_n, ARRAY[
+        cardinality(consumers), cardinality(payloads), cardinality(keys), cardinality(types),
+        cardinality(sequences), cardinality(headers), cardinality(schema_versions),
+        cardinality(correlation_ids), cardinality(causation_ids), cardinality(sources)],
+        ARRAY['consumers', 'payloads', 'keys', 'types', 'sequences', 'headers', 'schema_versions',
+              'correlation_ids', 'causation_ids', 'sources']);
+    v_ok := postbox.inbox_receive_arrays_ok_v1(consumers, message_ids, payloads, keys, types, sequences,
+                                               headers, schema_versions, correlation_ids, causation_ids, sources);
     IF v_ok THEN
         RETURN QUERY SELECT * FROM postbox.inbox_receive_rows_v1(
             consumers, message_ids, payloads, keys, types, sequences, headers, schema_versions,
@@ -302,10 +321,74 @@ $$;
 COMMENT ON FUNCTION postbox.inbox_receive_arrays_v1(text[], text[], jsonb[], text[], text[], bigint[], jsonb[], integer[], text[], text[], text[])
     IS 'Receive a batch given as one array per field, in the caller''s transaction; one (ordinality, status, inbox_id) row each.';
 
+-- Batch form for one consumer, one column per field: what the Python client sends (the payloads
+-- travel as one JSON array, which PostgreSQL reads much faster than an array of jsonb values).
+-- message_ids and payloads have one element per message; every other column is NULL (the field
+-- is absent from every message) or has one element per message. Same checks and outcomes as
+-- inbox_receive_arrays_v1.
+CREATE OR REPLACE FUNCTION postbox.inbox_receive_columns_v1(
+    consumer        text,
+    message_ids     text[],
+    payloads        jsonb,
+    keys            text[]    DEFAULT NULL,
+    types           text[]    DEFAULT NULL,
+    sequences       bigint[]  DEFAULT NULL,
+    headers         jsonb     DEFAULT NULL,
+    schema_versions integer[] DEFAULT NULL,
+    correlation_ids text[]    DEFAULT NULL,
+    causation_ids   text[]    DEFAULT NULL,
+    sources         text[]    DEFAULT NULL)
+RETURNS TABLE (ordinality bigint, status text, inbox_id bigint)
+LANGUAGE plpgsql VOLATILE AS $$
+#variable_conflict use_column
+DECLARE
+    v_n        integer := coalesce(cardinality(message_ids), 0);
+    v_consumers text[];
+    v_payloads jsonb[];
+    v_headers  jsonb[];
+BEGIN
+    PERFORM postbox.check_text_v1(inbox_receive_columns_v1.consumer, 'consumer', 200, true);
+    IF message_ids IS NULL THEN
+        PERFORM postbox.reject_v1('message_ids', 'is required');
+    END IF;
+    IF payloads IS NULL OR jsonb_typeof(payloads) <> 'array' OR jsonb_array_length(payloads) <> v_n THEN
+        PERFORM postbox.reject_v1('payloads', format('must be a JSON array of %s elements, one per message id', v_n));
+    END IF;
+    IF headers IS NOT NULL AND (jsonb_typeof(headers) <> 'array' OR jsonb_array_length(headers) <> v_n) THEN
+        PERFORM postbox.reject_v1('headers', format('must be NULL or a JSON array of %s objects, one per message id', v_n));
+    END IF;
+    IF v_n = 0 THEN
+        RETURN;
+    END IF;
+    SELECT array_agg(e.value ORDER BY e.n) INTO v_payloads
+      FROM jsonb_array_elements(payloads) WITH ORDINALITY AS e(value, n);
+    IF headers IS NOT NULL THEN
+        SELECT array_agg(e.value ORDER BY e.n) INTO v_headers
+          FROM jsonb_array_elements(headers) WITH ORDINALITY AS e(value, n);
+    END IF;
+    v_consumers := array_fill(inbox_receive_columns_v1.consumer, ARRAY[v_n]);
+    PERFORM postbox.check_batch_arrays_v1(v_n, ARRAY[
+        cardinality(keys), cardinality(types), cardinality(sequences), cardinality(schema_versions),
+        cardinality(correlation_ids), cardinality(causation_ids), cardinality(sources)],
+        ARRAY['keys', 'types', 'sequences', 'schema_versions', 'correlation_ids', 'causation_ids', 'sources']);
+    IF postbox.inbox_receive_arrays_ok_v1(v_consumers, message_ids, v_payloads, keys, types, sequences, v_headers,
+                                          schema_versions, correlation_ids, causation_ids, sources) THEN
+        RETURN QUERY SELECT * FROM postbox.inbox_receive_rows_v1(
+            v_consumers, message_ids, v_payloads, keys, types, sequences, v_headers, schema_versions,
+            correlation_ids, causation_ids, sources);
+    ELSE
+        RETURN QUERY SELECT * FROM postbox.inbox_receive_arrays_v1(
+            v_consumers, message_ids, v_payloads, keys, types, sequences, v_headers, schema_versions,
+            correlation_ids, causation_ids, sources);
+    END IF;
+END
+$$;
+COMMENT ON FUNCTION postbox.inbox_receive_columns_v1(text, text[], jsonb, text[], text[], bigint[], jsonb, integer[], text[], text[], text[])
+    IS 'Receive a batch for one consumer given column by column (payloads and headers as JSON arrays), in the caller''s transaction; one (ordinality, status, inbox_id) row each.';
+
 -- The batch fast path. inbox_receive_set_ok_v1 says whether every element is valid exactly as
 -- inbox_receive_v1 checks it (same types, lengths, payload size), goes to a consumer in arrival
--- mode (or an undeclared one while none is declared) and no (consumer, message_id) comes twice;
--- if not, the batch goes through inbox_receive_v1 one element at a time, which names the error.
+-- mode (or an undeclared one while none is declared); if not, the batch goes through inbox_receive_v1 one element at a time, which names the error.
 CREATE OR REPLACE FUNCTION postbox.inbox_receive_set_ok_v1(messages jsonb) RETURNS boolean
 LANGUAGE sql STABLE AS $$
     WITH m AS (
@@ -344,7 +427,6 @@ LANGUAGE sql STABLE AS $$
                AND jsonb_typeof(coalesce(m.v -> 'headers', '{}'::jsonb)) = 'object'
                AND (CASE WHEN c.name IS NULL THEN NOT EXISTS (SELECT 1 FROM postbox.consumers d WHERE d.declared)
                          ELSE c.sequence_mode = 'arrival' END)), true)
-           AND count(DISTINCT (m.consumer, m.message_id)) = count(*)
       FROM m LEFT JOIN postbox.consumers c ON c.name = m.consumer
 $$;
 

@@ -12,12 +12,13 @@ SELECT status, inbox_id FROM postbox.inbox_receive_v1(
 SELECT ordinality, status, inbox_id FROM postbox.inbox_receive_batch_v1(CAST(:messages AS jsonb))
 ORDER BY ordinality;
 
--- name: inbox_receive_arrays
-SELECT ordinality, status, inbox_id FROM postbox.inbox_receive_arrays_v1(
-    CAST(:consumers AS text[]), CAST(:message_ids AS text[]), CAST(:payloads AS jsonb[]), CAST(:keys AS text[]),
-    CAST(:types AS text[]), CAST(:sequences AS bigint[]), CAST(:headers AS jsonb[]),
-    CAST(:schema_versions AS integer[]), CAST(:correlation_ids AS text[]), CAST(:causation_ids AS text[]),
-    CAST(:sources AS text[]))
+-- name: inbox_receive_columns
+SELECT ordinality, status, inbox_id FROM postbox.inbox_receive_columns_v1(
+    consumer => :consumer, message_ids => CAST(:message_ids AS text[]), payloads => CAST(:payloads AS jsonb),
+    keys => CAST(:keys AS text[]), types => CAST(:types AS text[]), sequences => CAST(:sequences AS bigint[]),
+    headers => CAST(:headers AS jsonb), schema_versions => CAST(:schema_versions AS integer[]),
+    correlation_ids => CAST(:correlation_ids AS text[]), causation_ids => CAST(:causation_ids AS text[]),
+    sources => CAST(:sources AS text[]))
 ORDER BY ordinality;
 
 -- name: outbox_publish
