@@ -123,8 +123,11 @@ def _place(results: list[ReceiveResult | None], positions: list[int], rows: Rows
         results[position] = _receive_result(row[1:])
 
 
+_STATUSES = {s.value: s for s in ReceiveStatus}
+
+
 def _receive_result(row: Sequence[Any]) -> ReceiveResult:
-    return ReceiveResult(status=ReceiveStatus(row[0]), inbox_id=row[1])
+    return ReceiveResult(status=_STATUSES[row[0]], inbox_id=row[1])
 
 
 # --- inbox -----------------------------------------------------------------------------------
