@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import dataclass
 from enum import StrEnum
 from typing import Annotated, Any
 
@@ -328,10 +329,12 @@ class ReceiveStatus(StrEnum):
     CONFLICT = "conflict"
 
 
-class ReceiveResult(BaseModel):
-    """Outcome of one receive. ``conflict`` means the id was seen before with another payload."""
+@dataclass(frozen=True, slots=True)
+class ReceiveResult:
+    """Outcome of one receive. ``conflict`` means the id was seen before with another payload.
 
-    model_config = ConfigDict(frozen=True)
+    A plain frozen dataclass, not a model: it is only ever built from what the database returned,
+    and a batch builds one per message."""
 
     status: ReceiveStatus
     inbox_id: int

@@ -40,6 +40,16 @@ BEGIN
 END
 $$;
 
+-- Every element of an array of text fields is valid: NULL only if not required (a NULL array is
+-- a field no element has), otherwise 1 to max_bytes bytes.
+CREATE OR REPLACE FUNCTION postbox.texts_ok_v1(vals text[], max_bytes integer, required boolean) RETURNS boolean
+LANGUAGE sql IMMUTABLE AS $$
+    SELECT CASE WHEN vals IS NULL THEN NOT required
+                ELSE coalesce((SELECT bool_and(CASE WHEN v IS NULL THEN NOT required
+                                                    ELSE octet_length(v) BETWEEN 1 AND max_bytes END)
+                                 FROM unnest(vals) AS v), true) END
+$$;
+
 -- A batch given as one array per field: every array that is not NULL has one element per message.
 CREATE OR REPLACE FUNCTION postbox.check_batch_arrays_v1(n integer, lengths integer[], fields text[])
 RETURNS void

@@ -250,28 +250,27 @@ CREATE OR REPLACE FUNCTION postbox.inbox_receive_arrays_ok_v1(
     headers jsonb[], schema_versions integer[], correlation_ids text[], causation_ids text[], sources text[])
 RETURNS boolean
 LANGUAGE sql STABLE AS $$
-    -- Same id twice in the batch needs no special path: the ledger insert keeps the first, and the
-    -- later ones come back duplicate or conflict, as they would one at a time.
-    SELECT coalesce(bool_and(coalesce(   -- a NULL (missing required field) counts as invalid
-               octet_length(u.consumer) BETWEEN 1 AND 200
-               AND octet_length(u.message_id) BETWEEN 1 AND 512
-               AND coalesce(octet_length(u.key) BETWEEN 1 AND 1024, true)
-               AND coalesce(octet_length(u.type) BETWEEN 1 AND 200, true)
-               AND coalesce(octet_length(u.correlation_id) BETWEEN 1 AND 512, true)
-               AND coalesce(octet_length(u.causation_id) BETWEEN 1 AND 512, true)
-               AND coalesce(octet_length(u.source) BETWEEN 1 AND 512, true)
-               AND u.payload IS NOT NULL
-               AND octet_length(u.payload::text) <= postbox.max_payload_bytes_v1()
-               AND coalesce(u.sequence >= 0, true)
-               AND coalesce(u.schema_version, 1) >= 1
-               AND jsonb_typeof(coalesce(u.headers, '{}'::jsonb)) = 'object'
-               AND (CASE WHEN c.name IS NULL THEN NOT EXISTS (SELECT 1 FROM postbox.consumers d WHERE d.declared)
-                         ELSE c.sequence_mode = 'arrival' END), false)), true)
-      FROM unnest(consumers, message_ids, payloads, keys, types, sequences, headers, schema_versions,
-                  correlation_ids, causation_ids, sources)
-           AS u(consumer, message_id, payload, key, type, sequence, headers, schema_version,
-                correlation_id, causation_id, source)
-      LEFT JOIN postbox.consumers c ON c.name = u.consumer
+    -- Column by column (a NULL column is a field no message has): each check is one pass over one
+    -- array, and the consumers are looked up once each. The same id twice needs no special path:
+    -- the ledger insert keeps the first, and the later ones come back duplicate or conflict.
+    SELECT postbox.texts_ok_v1(consumers, 200, true)
+       AND postbox.texts_ok_v1(message_ids, 512, true)
+       AND postbox.texts_ok_v1(keys, 1024, false)
+       AND postbox.texts_ok_v1(types, 200, false)
+       AND postbox.texts_ok_v1(correlation_ids, 512, false)
+       AND postbox.texts_ok_v1(causation_ids, 512, false)
+       AND postbox.texts_ok_v1(sources, 512, false)
+       AND (payloads IS NOT NULL OR coalesce(cardinality(message_ids), 0) = 0)
+       AND coalesce((SELECT bool_and(coalesce(octet_length(p::text) <= postbox.max_payload_bytes_v1(), false))
+                       FROM unnest(payloads) AS p), true)
+       AND coalesce((SELECT bool_and(s >= 0) FROM unnest(sequences) AS s), true)
+       AND coalesce((SELECT bool_and(v >= 1) FROM unnest(schema_versions) AS v), true)
+       AND coalesce((SELECT bool_and(jsonb_typeof(coalesce(h, '{}'::jsonb)) = 'object') FROM unnest(headers) AS h), true)
+       AND coalesce((SELECT bool_and(CASE WHEN c.name IS NULL
+                                          THEN NOT EXISTS (SELECT 1 FROM postbox.consumers d WHERE d.declared)
+                                          ELSE c.sequence_mode = 'arrival' END)
+                       FROM (SELECT DISTINCT u.name FROM unnest(consumers) AS u(name)) u
+                       LEFT JOIN postbox.consumers c ON c.name = u.name), true)
 $$;
 
 -- Batch form with one array per field (what drivers send fastest: no JSON envelope to parse);

@@ -582,6 +582,11 @@ def main() -> None:
                     "msg/s",
                     peers.pgqueuer_enqueue(b.peer("pgqueuer"), sizes["batch"], 500, 500),
                 )
+                b.record(
+                    PEER_PGQUEUER_BATCH_DEDUPE,
+                    "msg/s",
+                    peers.pgqueuer_enqueue(b.peer("pgqueuer"), sizes["batch"], 500, 500, dedupe=True),
+                )
             b.record(
                 "pgbench ledger + inbox rows with their checks, 500 per statement (no function)",
                 "msg/s",
@@ -647,6 +652,7 @@ PEER_PROCRASTINATE_ORDERED = "procrastinate drain, lock=<key>, 500 keys, 2 proc 
 PEER_PROCRASTINATE = "procrastinate drain, unordered, 2 proc x 2"
 PEER_PGQUEUER = "pgqueuer drain, unordered, 2 proc x 2"
 PEER_PGQUEUER_BATCH = "pgqueuer enqueue, 500 per statement"
+PEER_PGQUEUER_BATCH_DEDUPE = "pgqueuer enqueue with dedupe keys (skip duplicates), 500 per statement"
 
 
 def report(b: Bench, quick: bool, elapsed: float) -> None:
@@ -691,6 +697,9 @@ def report(b: Bench, quick: bool, elapsed: float) -> None:
             ),
             "  receive_many 500 over 500 keys / pgqueuer batch enqueue 500": ratio(
                 "receive_many, 500 per transaction", PEER_PGQUEUER_BATCH
+            ),
+            "  receive_many 500, no keys / pgqueuer batch enqueue with dedupe keys": ratio(
+                "receive_many, 500 per transaction, no keys", PEER_PGQUEUER_BATCH_DEDUPE
             ),
             "  pgbench ledger + inbox rows with their checks, 500 per statement / pgqueuer (storage floor)": ratio(
                 "pgbench ledger + inbox rows with their checks, 500 per statement (no function)",

@@ -76,8 +76,10 @@ def procrastinate_preload(url: str, n: int, keys: int, ordered: bool) -> None:
     asyncio.run(go())
 
 
-def pgqueuer_enqueue(url: str, n: int, keys: int, batch: int) -> float:
-    """Enqueue ``n`` jobs in batches of ``batch`` (one statement each, autocommit); jobs/s."""
+def pgqueuer_enqueue(url: str, n: int, keys: int, batch: int, dedupe: bool = False) -> float:
+    """Enqueue ``n`` jobs in batches of ``batch`` (one statement each, autocommit); jobs/s. With
+    ``dedupe``, each job carries a dedupe key and duplicates are skipped (``on_conflict="skip"``):
+    pgqueuer's nearest to a deduplicating receive (its keys only cover queued and running jobs)."""
 
     async def go() -> float:
         import time
@@ -88,11 +90,18 @@ def pgqueuer_enqueue(url: str, n: int, keys: int, batch: int) -> float:
             t = time.perf_counter()
             for start in range(0, n, batch):
                 ids = range(start, min(start + batch, n))
-                await q.enqueue(
-                    ["bench"] * len(ids),
-                    [json.dumps({"i": i, "k": f"k{i % keys}", "s": i // keys}).encode() for i in ids],
-                    [0] * len(ids),
-                )
+                payloads = [json.dumps({"i": i, "k": f"k{i % keys}", "s": i // keys}).encode() for i in ids]
+                if dedupe:
+                    await q.enqueue(
+                        ["bench"] * len(ids),
+                        payloads,
+                        [0] * len(ids),
+                        [None] * len(ids),
+                        [str(i) for i in ids],
+                        on_conflict="skip",
+                    )
+                else:
+                    await q.enqueue(["bench"] * len(ids), payloads, [0] * len(ids))
             return n / (time.perf_counter() - t)
         finally:
             await conn.close()
