@@ -65,9 +65,15 @@ def _json_ok(value: Any) -> bool:
     if kind is float:
         return math.isfinite(value)
     if kind is dict:
-        return all(type(k) is str and _json_ok(k) and _json_ok(v) for k, v in value.items())
+        for k, v in value.items():
+            if type(k) is not str or "\x00" in k or not (k.isascii() or _utf8_ok(k)) or not _json_ok(v):
+                return False
+        return True
     if kind is list or kind is tuple:
-        return all(_json_ok(v) for v in value)
+        for v in value:
+            if not _json_ok(v):
+                return False
+        return True
     return False
 
 

@@ -168,59 +168,73 @@ RETURNS TABLE (ordinality bigint, status text, inbox_id bigint)
 LANGUAGE plpgsql VOLATILE SET plan_cache_mode = force_custom_plan AS $$
 #variable_conflict use_column
 DECLARE
+    v_n         integer := coalesce(cardinality(message_ids), 0);
     v_ids       bigint[];
     v_new       bigint[];
+    v_all       boolean;
+    v_heads     bigint[];
     v_notify    text[];
 BEGIN
-    -- Ids are taken in the arrays' order (unnest emits its rows in order, and nextval runs as
-    -- each row is emitted); wide rows are never sorted or copied more than the inserts need.
-    WITH m AS MATERIALIZED (
-        SELECT u.n, nextval('postbox.inbox_id_seq') AS id, u.consumer, u.message_id,
-               coalesce(u.key, u.message_id) AS key, u.sequence, u.type, coalesce(u.schema_version, 1) AS schema_version,
-               u.payload, coalesce(u.headers, '{}'::jsonb) AS headers, u.correlation_id, u.causation_id, u.source
-          FROM unnest(consumers, message_ids, payloads, keys, types, sequences, headers, schema_versions,
-                      correlation_ids, causation_ids, sources) WITH ORDINALITY
-               AS u(consumer, message_id, payload, key, type, sequence, headers, schema_version,
-                    correlation_id, causation_id, source, n)),
-    d AS (
-        -- The ledger keeps the first of each id (a later one in the same batch is not new either).
-        INSERT INTO postbox.inbox_dedup (consumer, message_id, payload_hash, inbox_id)
-        SELECT m.consumer, m.message_id, decode(md5(m.payload::text), 'hex'), m.id FROM m
+    IF v_n = 0 THEN
+        RETURN;
+    END IF;
+    -- Ids are taken in the arrays' order, so a key keeps its order.
+    v_ids := ARRAY(SELECT nextval('postbox.inbox_id_seq') FROM generate_series(1, v_n));
+    -- The ledger keeps the first of each id: a message seen before, or earlier in this batch, is
+    -- not new. Only the three columns the ledger needs are read here.
+    WITH d AS (
+        INSERT INTO postbox.inbox_dedup AS l (consumer, message_id, payload_hash, inbox_id)
+        SELECT u.consumer, u.message_id, decode(md5(u.payload::text), 'hex'), u.id
+          FROM unnest(consumers, message_ids, payloads, v_ids) AS u(consumer, message_id, payload, id)
         ON CONFLICT (consumer, message_id) DO NOTHING
-        RETURNING inbox_id AS id),
+        RETURNING l.inbox_id)
+    SELECT array_agg(d.inbox_id) INTO v_new FROM d;
+    v_all := coalesce(cardinality(v_new), 0) = v_n;
+    -- The first new message of a key becomes its head, unless the key has a head already or
+    -- queued messages (never overtake them). Keys are taken in one global order, so two batches
+    -- starting the same keys never wait for each other in a cycle.
+    WITH f AS (
+        SELECT u.id, u.consumer, u.message_id, coalesce(u.key, u.message_id) AS key, u.sequence, u.type,
+               coalesce(u.schema_version, 1) AS schema_version, u.payload, coalesce(u.headers, '{}'::jsonb) AS headers,
+               u.correlation_id, u.causation_id, u.source
+          FROM unnest(consumers, message_ids, payloads, keys, types, sequences, headers, schema_versions,
+                      correlation_ids, causation_ids, sources, v_ids)
+               AS u(consumer, message_id, payload, key, type, sequence, headers, schema_version,
+                    correlation_id, causation_id, source, id)
+         WHERE v_all OR u.id IN (SELECT unnest(v_new))),
     h AS (
-        -- The first new message of a key becomes its head, unless the key has a head already or
-        -- queued messages (never overtake them). Keys are taken in one global order, so two
-        -- batches starting the same keys never wait for each other in a cycle.
         INSERT INTO postbox.inbox AS i (id, consumer, message_id, key, sequence, position, type, schema_version,
                                         payload, headers, correlation_id, causation_id, source, state)
         SELECT DISTINCT ON (f.consumer, f.key)
                f.id, f.consumer, f.message_id, f.key, f.sequence, f.id, f.type, f.schema_version,
                f.payload, f.headers, f.correlation_id, f.causation_id, f.source, 'ready'
-          FROM m f
-         WHERE f.id IN (SELECT d.id FROM d)
-           AND NOT EXISTS (SELECT 1 FROM postbox.inbox p
+          FROM f
+         WHERE NOT EXISTS (SELECT 1 FROM postbox.inbox p
                             WHERE p.consumer = f.consumer AND p.key = f.key AND p.state = 'pending'
                               AND p.position < f.id)
          ORDER BY f.consumer, f.key, f.id
         ON CONFLICT (consumer, key) WHERE state <> 'pending' DO NOTHING
-        RETURNING i.id, i.consumer),
-    q AS (
+        RETURNING i.id, i.consumer)
+    SELECT array_agg(h.id), array_agg(DISTINCT h.consumer) INTO v_heads, v_notify FROM h;
+    IF coalesce(cardinality(v_heads), 0) < coalesce(cardinality(v_new), 0) THEN
         -- Everything else new is queued behind its key's head; the commit trigger re-checks it.
         INSERT INTO postbox.inbox (id, consumer, message_id, key, sequence, position, type, schema_version,
                                    payload, headers, correlation_id, causation_id, source, state)
-        SELECT f.id, f.consumer, f.message_id, f.key, f.sequence, f.id, f.type, f.schema_version,
-               f.payload, f.headers, f.correlation_id, f.causation_id, f.source, 'pending'
-          FROM m f
-         WHERE f.id IN (SELECT d.id FROM d) AND f.id NOT IN (SELECT h.id FROM h))
-    SELECT (SELECT array_agg(m.id ORDER BY m.n) FROM m),
-           (SELECT array_agg(d.id) FROM d),
-           (SELECT array_agg(DISTINCT h.consumer) FROM h)
-      INTO v_ids, v_new, v_notify;
+        SELECT u.id, u.consumer, u.message_id, coalesce(u.key, u.message_id), u.sequence, u.id, u.type,
+               coalesce(u.schema_version, 1), u.payload, coalesce(u.headers, '{}'::jsonb), u.correlation_id,
+               u.causation_id, u.source, 'pending'
+          FROM unnest(consumers, message_ids, payloads, keys, types, sequences, headers, schema_versions,
+                      correlation_ids, causation_ids, sources, v_ids)
+               AS u(consumer, message_id, payload, key, type, sequence, headers, schema_version,
+                    correlation_id, causation_id, source, id)
+         WHERE (v_all OR u.id IN (SELECT unnest(v_new)))
+           AND u.id NOT IN (SELECT unnest(coalesce(v_heads, '{}')))
+         ORDER BY u.id;
+    END IF;
     IF v_notify IS NOT NULL AND postbox.notify_enabled_v1() THEN
         PERFORM pg_notify('postbox_inbox', c) FROM unnest(v_notify) AS c;
     END IF;
-    IF coalesce(array_length(v_new, 1), 0) = coalesce(array_length(v_ids, 1), 0) THEN
+    IF v_all THEN
         RETURN QUERY SELECT u.n, 'new'::text, u.id FROM unnest(v_ids) WITH ORDINALITY AS u(id, n);
         RETURN;
     END IF;
@@ -242,35 +256,54 @@ COMMENT ON FUNCTION postbox.inbox_receive_rows_v1(text[], text[], jsonb[], text[
     IS 'Internal: the set-based core of a checked batch receive.';
 
 -- Whether a batch given as arrays can be received set-based: every element valid exactly as
--- inbox_receive_v1 checks it (same lengths, payload size), for a consumer in arrival mode (or an
--- undeclared one while none is declared). If not, the caller takes the element-by-element path,
--- which names the bad element and field.
-CREATE OR REPLACE FUNCTION postbox.inbox_receive_arrays_ok_v1(
-    consumers text[], message_ids text[], payloads jsonb[], keys text[], types text[], sequences bigint[],
-    headers jsonb[], schema_versions integer[], correlation_ids text[], causation_ids text[], sources text[])
+-- inbox_receive_v1 checks it (same lengths, payload size), for consumers in arrival mode (or
+-- undeclared ones while none is declared). If not, the caller takes the element-by-element path,
+-- which names the bad element and field. Checked column by column (a NULL column is a field no
+-- message has), each consumer once. The same id twice needs no special path: the ledger insert
+-- keeps the first, and the later ones come back duplicate or conflict.
+CREATE OR REPLACE FUNCTION postbox.inbox_consumers_ok_v1(consumers text[]) RETURNS boolean
+LANGUAGE sql STABLE AS $$
+    SELECT coalesce(bool_and(coalesce(
+               octet_length(u.name) BETWEEN 1 AND 200
+               AND CASE WHEN c.name IS NULL THEN NOT EXISTS (SELECT 1 FROM postbox.consumers d WHERE d.declared)
+                        ELSE c.sequence_mode = 'arrival' END, false)), consumers IS NOT NULL)
+      FROM (SELECT DISTINCT u.name FROM unnest(consumers) AS u(name)) u
+      LEFT JOIN postbox.consumers c ON c.name = u.name
+$$;
+
+CREATE OR REPLACE FUNCTION postbox.inbox_fields_ok_v1(
+    message_ids text[], payloads jsonb[], keys text[], types text[], sequences bigint[], headers jsonb[],
+    schema_versions integer[], correlation_ids text[], causation_ids text[], sources text[])
 RETURNS boolean
 LANGUAGE sql STABLE AS $$
-    -- Column by column (a NULL column is a field no message has): each check is one pass over one
-    -- array, and the consumers are looked up once each. The same id twice needs no special path:
-    -- the ledger insert keeps the first, and the later ones come back duplicate or conflict.
-    SELECT postbox.texts_ok_v1(consumers, 200, true)
-       AND postbox.texts_ok_v1(message_ids, 512, true)
+    SELECT postbox.texts_ok_v1(message_ids, 512, true)
        AND postbox.texts_ok_v1(keys, 1024, false)
        AND postbox.texts_ok_v1(types, 200, false)
        AND postbox.texts_ok_v1(correlation_ids, 512, false)
        AND postbox.texts_ok_v1(causation_ids, 512, false)
        AND postbox.texts_ok_v1(sources, 512, false)
-       AND (payloads IS NOT NULL OR coalesce(cardinality(message_ids), 0) = 0)
-       AND coalesce((SELECT bool_and(coalesce(octet_length(p::text) <= postbox.max_payload_bytes_v1(), false))
-                       FROM unnest(payloads) AS p), true)
        AND coalesce((SELECT bool_and(s >= 0) FROM unnest(sequences) AS s), true)
        AND coalesce((SELECT bool_and(v >= 1) FROM unnest(schema_versions) AS v), true)
        AND coalesce((SELECT bool_and(jsonb_typeof(coalesce(h, '{}'::jsonb)) = 'object') FROM unnest(headers) AS h), true)
-       AND coalesce((SELECT bool_and(CASE WHEN c.name IS NULL
-                                          THEN NOT EXISTS (SELECT 1 FROM postbox.consumers d WHERE d.declared)
-                                          ELSE c.sequence_mode = 'arrival' END)
-                       FROM (SELECT DISTINCT u.name FROM unnest(consumers) AS u(name)) u
-                       LEFT JOIN postbox.consumers c ON c.name = u.name), true)
+$$;
+
+-- Every payload is present and within postbox.max_payload_bytes (as JSON text).
+CREATE OR REPLACE FUNCTION postbox.inbox_payloads_ok_v1(payloads jsonb[], n integer) RETURNS boolean
+LANGUAGE sql STABLE AS $$
+    SELECT CASE WHEN payloads IS NULL THEN n = 0
+                ELSE coalesce((SELECT bool_and(coalesce(octet_length(p::text) <= m.max, false))
+                                 FROM unnest(payloads) AS p, (SELECT postbox.max_payload_bytes_v1() AS max) m), true) END
+$$;
+
+CREATE OR REPLACE FUNCTION postbox.inbox_receive_arrays_ok_v1(
+    consumers text[], message_ids text[], payloads jsonb[], keys text[], types text[], sequences bigint[],
+    headers jsonb[], schema_versions integer[], correlation_ids text[], causation_ids text[], sources text[])
+RETURNS boolean
+LANGUAGE sql STABLE AS $$
+    SELECT postbox.inbox_consumers_ok_v1(consumers)
+       AND postbox.inbox_payloads_ok_v1(payloads, coalesce(cardinality(message_ids), 0))
+       AND postbox.inbox_fields_ok_v1(message_ids, payloads, keys, types, sequences, headers, schema_versions,
+                                      correlation_ids, causation_ids, sources)
 $$;
 
 -- Batch form with one array per field (what drivers send fastest: no JSON envelope to parse);
@@ -370,8 +403,12 @@ BEGIN
         cardinality(keys), cardinality(types), cardinality(sequences), cardinality(schema_versions),
         cardinality(correlation_ids), cardinality(causation_ids), cardinality(sources)],
         ARRAY['keys', 'types', 'sequences', 'schema_versions', 'correlation_ids', 'causation_ids', 'sources']);
-    IF postbox.inbox_receive_arrays_ok_v1(v_consumers, message_ids, v_payloads, keys, types, sequences, v_headers,
-                                          schema_versions, correlation_ids, causation_ids, sources) THEN
+    IF postbox.inbox_consumers_ok_v1(ARRAY[inbox_receive_columns_v1.consumer])
+       -- No element's JSON text is longer than the whole array's: one check covers the usual batch.
+       AND (octet_length(payloads::text) <= postbox.max_payload_bytes_v1()
+            OR postbox.inbox_payloads_ok_v1(v_payloads, v_n))
+       AND postbox.inbox_fields_ok_v1(message_ids, v_payloads, keys, types, sequences, v_headers, schema_versions,
+                                      correlation_ids, causation_ids, sources) THEN
         RETURN QUERY SELECT * FROM postbox.inbox_receive_rows_v1(
             v_consumers, message_ids, v_payloads, keys, types, sequences, v_headers, schema_versions,
             correlation_ids, causation_ids, sources);
