@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import random
 import threading
 
 import psycopg
@@ -64,6 +65,66 @@ def test_producer_worker_race_never_orphans_a_message(db):
         p, i = mid.split("-")
         assert int(i) == seen.get(p, -1) + 1, f"{mid} out of order"
         seen[p] = int(i)
+
+
+def test_concurrent_batches_with_overlapping_ids_are_received_once(db):
+    """Four producers send the same ids (a broker redelivering) in batches of varying size, over a
+    few hot keys, while workers drain: each id is new exactly once across all producers, processed
+    exactly once, none is left behind, and batches taking their ids and keys in order never
+    deadlock each other."""
+    url = db.url
+    reg = Registry()
+
+    @reg.handler("c")
+    def handle(m, ctx):
+        record_effect(ctx.conn, m.message_id, m.key, m.sequence, m.attempt)
+
+    w = Worker(url, reg, WorkerSettings(consumer="c", concurrency=4, batch_size=10, **FAST))
+    w.start()
+    total = 600
+    news: list[str] = []
+    lock = threading.Lock()
+    errors: list[BaseException] = []
+
+    def producer(p: int) -> None:
+        rng = random.Random(p)
+        ids = [j for j in range(total) if rng.random() < 0.8 or p == 0]  # producer 0 sends every id
+        try:
+            with psycopg.connect(url) as c:
+                start = 0
+                while start < len(ids):
+                    size = rng.randint(1, 60)
+                    batch = [
+                        {"consumer": "c", "message_id": f"m{j}", "key": f"k{j % 5}", "payload": {"j": j}}
+                        for j in ids[start : start + size]
+                    ]
+                    results = service.receive_many(c, batch)
+                    c.commit()
+                    with lock:
+                        news.extend(m["message_id"] for m, r in zip(batch, results, strict=True) if r.is_new)
+                    assert all(r.is_new or r.is_duplicate for r in results)
+                    start += size
+        except BaseException as error:  # surfaced below, with the thread's failure
+            errors.append(error)
+
+    threads = [threading.Thread(target=producer, args=(p,)) for p in range(4)]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert not errors, errors
+        eventually(
+            lambda: scalar(url, "SELECT count(*) FROM effects") == total,
+            timeout=60,
+            what="every message processed",
+        )
+        assert scalar(url, "SELECT count(*) FROM postbox.inbox") == 0
+    finally:
+        w.stop()
+        w.join()
+    assert sorted(news) == sorted(f"m{j}" for j in range(total))  # new exactly once
+    assert scalar(url, "SELECT count(DISTINCT message_id) FROM effects") == total
 
 
 def test_repeatable_read_producer_gets_a_retryable_error_not_an_orphan(db):
