@@ -324,7 +324,7 @@ def plain_inbox_item(fields: dict[str, Any]) -> dict[str, Any] | None:
         return None
     if fields.get("consumer") is None or fields.get("message_id") is None or "payload" not in fields:
         return None
-    return _INBOX_DEFAULTS | fields
+    return _INBOX_DEFAULTS | fields  # the default headers dict is shared: items are only serialised
 
 
 class ReceiveStatus(StrEnum):
@@ -344,6 +344,10 @@ class ReceiveResult:
 
     status: ReceiveStatus
     inbox_id: int
+
+    def __post_init__(self) -> None:
+        if type(self.status) is not ReceiveStatus:  # built by hand from a string: "new"
+            object.__setattr__(self, "status", ReceiveStatus(self.status))
 
     @property
     def is_new(self) -> bool:

@@ -14,7 +14,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from service.db import AnyAsyncConnection, AnySyncConnection, query, run, run_async
-from service.db.connector import Rows, first
+from service.db.connector import first
 from service.errors import InvalidMessage
 from service.messages import (
     InboxMessage,
@@ -86,41 +86,33 @@ def _column(items: list[dict[str, Any]], field: str, default: Any = None) -> lis
     return None if all(v == default for v in values) else values
 
 
-def _inbox_calls(items: list[dict[str, Any]]) -> list[tuple[list[int], dict[str, Any]]]:
-    """Bind parameters for ``inbox_receive_columns``, one call per consumer (one for a batch to a
-    single consumer): the positions of its messages in the batch, and its columns. Payloads and
-    headers travel as one JSON array each, a field absent from every message as NULL."""
-    groups: dict[str, list[int]] = {}
-    for i, m in enumerate(items):
-        groups.setdefault(m["consumer"], []).append(i)
-    calls = []
-    for consumer, positions in groups.items():
-        part = items if len(groups) == 1 else [items[i] for i in positions]
-        headers = [m["headers"] for m in part]
-        calls.append(
-            (
-                positions,
-                {
-                    "consumer": consumer,
-                    "message_ids": [m["message_id"] for m in part],
-                    "payloads": to_json([m["payload"] for m in part]),
-                    "keys": _column(part, "key"),
-                    "types": _column(part, "type"),
-                    "sequences": _column(part, "sequence"),
-                    "headers": to_json(headers) if any(headers) else None,
-                    "schema_versions": _column(part, "schema_version", 1),
-                    "correlation_ids": _column(part, "correlation_id"),
-                    "causation_ids": _column(part, "causation_id"),
-                    "sources": _column(part, "source"),
-                },
-            )
-        )
-    return calls
-
-
-def _place(results: list[ReceiveResult | None], positions: list[int], rows: Rows) -> None:
-    for position, row in zip(positions, rows, strict=True):
-        results[position] = _receive_result(row[1:])
+def _inbox_call(items: list[dict[str, Any]]) -> tuple[str, dict[str, Any]]:
+    """The query and bind parameters that receive ``items`` in one statement: column by column
+    for a batch to one consumer (payloads and headers as one JSON array each), one array per field
+    when it mixes consumers. A field absent from every message travels as NULL."""
+    headers = [m["headers"] for m in items]
+    columns = {
+        "message_ids": [m["message_id"] for m in items],
+        "keys": _column(items, "key"),
+        "types": _column(items, "type"),
+        "sequences": _column(items, "sequence"),
+        "schema_versions": _column(items, "schema_version", 1),
+        "correlation_ids": _column(items, "correlation_id"),
+        "causation_ids": _column(items, "causation_id"),
+        "sources": _column(items, "source"),
+    }
+    consumers = [m["consumer"] for m in items]
+    if consumers.count(consumers[0]) == len(consumers):
+        return "inbox_receive_columns", columns | {
+            "consumer": consumers[0],
+            "payloads": to_json([m["payload"] for m in items]),
+            "headers": to_json(headers) if any(headers) else None,
+        }
+    return "inbox_receive_arrays", columns | {
+        "consumers": consumers,
+        "payloads": [to_json(m["payload"]) for m in items],
+        "headers": [to_json(h) for h in headers] if any(headers) else None,
+    }
 
 
 _STATUSES = {s.value: s for s in ReceiveStatus}
@@ -148,13 +140,12 @@ def receive(conn: AnySyncConnection, message: InboxMessage | None = None, /, **f
 def receive_many(
     conn: AnySyncConnection, messages: Iterable[InboxMessage | dict[str, Any]]
 ) -> list[ReceiveResult]:
-    """Receive several messages, results in the same order: one round trip per consumer in the
-    batch (one for the usual batch to a single consumer)."""
+    """Receive several messages in one round trip; results are in the same order."""
     items = _inbox_items(messages)
-    results: list[ReceiveResult | None] = [None] * len(items)
-    for positions, params in _inbox_calls(items):
-        _place(results, positions, run(conn, query("inbox_receive_columns"), params))
-    return results  # type: ignore[return-value]  # every position is filled
+    if not items:
+        return []
+    name, params = _inbox_call(items)
+    return [_receive_result(r[1:]) for r in run(conn, query(name), params)]
 
 
 async def receive_async(
@@ -170,10 +161,10 @@ async def receive_many_async(
 ) -> list[ReceiveResult]:
     """:func:`receive_many` for async connections."""
     items = _inbox_items(messages)
-    results: list[ReceiveResult | None] = [None] * len(items)
-    for positions, params in _inbox_calls(items):
-        _place(results, positions, await run_async(conn, query("inbox_receive_columns"), params))
-    return results  # type: ignore[return-value]  # every position is filled
+    if not items:
+        return []
+    name, params = _inbox_call(items)
+    return [_receive_result(r[1:]) for r in await run_async(conn, query(name), params)]
 
 
 # --- outbox ----------------------------------------------------------------------------------

@@ -127,6 +127,41 @@ def test_concurrent_batches_with_overlapping_ids_are_received_once(db):
     assert scalar(url, "SELECT count(DISTINCT message_id) FROM effects") == total
 
 
+def test_batches_with_the_same_ids_in_opposite_orders_never_deadlock(db):
+    """Two producers receive the same ids at the same moment, one in reverse order (a broker
+    redelivering in another order): the ledger takes ids in one global order, so one waits for
+    the other instead of deadlocking, and each id is new exactly once."""
+    url = db.url
+    rounds, size = 12, 300
+    barrier = threading.Barrier(2)
+    news: list[list[str]] = [[], []]
+    errors: list[BaseException] = []
+
+    def producer(p: int) -> None:
+        try:
+            with psycopg.connect(url) as c:
+                for r in range(rounds):
+                    ids = [f"r{r}-{j}" for j in range(size)]
+                    batch = [
+                        {"consumer": "c", "message_id": m, "payload": {}} for m in (ids[::-1] if p else ids)
+                    ]
+                    barrier.wait(timeout=30)
+                    results = service.receive_many(c, batch)
+                    c.commit()
+                    news[p].extend(m["message_id"] for m, x in zip(batch, results, strict=True) if x.is_new)
+        except BaseException as error:
+            errors.append(error)
+            barrier.abort()
+
+    threads = [threading.Thread(target=producer, args=(p,)) for p in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    assert sorted(news[0] + news[1]) == sorted(f"r{r}-{j}" for r in range(rounds) for j in range(size))
+
+
 def test_repeatable_read_producer_gets_a_retryable_error_not_an_orphan(db):
     """Under REPEATABLE READ the producer cannot see the head finish; its commit fails with a
     serialization error (retryable) rather than leaving its message without a head."""

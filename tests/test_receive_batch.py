@@ -170,9 +170,10 @@ def test_array_batch_checks_what_python_did_not(conn):
     assert info.value.diag.column_name == "payload"
 
 
-def test_python_sends_one_call_per_consumer(conn):
-    """A batch for several consumers is received consumer by consumer; results keep the batch's
-    order and each consumer's messages keep theirs."""
+def test_a_batch_mixing_consumers_is_one_statement(conn, database):
+    """A batch for several consumers keeps the batch's order in its results and each consumer's
+    order in its inbox, and is one statement: when a message is refused, nothing is written, even
+    on an autocommit connection."""
     batch = [
         {"consumer": "a" if i % 3 else "b", "message_id": f"m{i}", "key": "k", "payload": i} for i in range(9)
     ]
@@ -185,6 +186,20 @@ def test_python_sends_one_call_per_consumer(conn):
             m["message_id"] for m in batch if m["consumer"] == consumer
         ]
     assert service.receive_many(conn, []) == []
+    conn.commit()
+    with database.connect(autocommit=True) as auto:
+        service.declare_consumer(auto, "a")
+        service.declare_consumer(auto, "b")
+        bad = [
+            {"consumer": "a", "message_id": "x1", "payload": 1},
+            {"consumer": "nobody", "message_id": "x2", "payload": 2},
+        ]
+        with pytest.raises(service.InvalidMessage) as info:
+            service.receive_many(auto, bad)
+        assert info.value.field.endswith("consumer")
+        assert auto.execute(
+            "SELECT count(*) FROM postbox.inbox_dedup WHERE message_id = 'x1'"
+        ).fetchone() == (0,)
 
 
 def test_columns_form_from_sql(conn):

@@ -158,9 +158,10 @@ COMMENT ON FUNCTION postbox.inbox_receive_v1(text, text, jsonb, text, text, bigi
     IS 'Receive one message in the caller''s transaction: (status new|duplicate|conflict, inbox_id). Nothing is visible to workers before the caller commits.';
 
 -- The set-based core of a batch: the rows of arrays (one element per message) that the caller
--- has checked (inbox_receive_arrays_v1 or inbox_receive_set_v1), received as inbox_receive_v1
--- would one by one, in the arrays' order (ids are taken in that order, so a key keeps its order):
--- one statement writes the ledger and the inbox rows of the whole batch.
+-- has checked (inbox_receive_columns_v1, inbox_receive_arrays_v1 or inbox_receive_set_v1),
+-- received as inbox_receive_v1 would one by one, in the arrays' order (ids are taken in that
+-- order, so a key keeps its order): one statement writes the ledger rows of the whole batch, one
+-- its heads, and one its queued messages if any.
 CREATE OR REPLACE FUNCTION postbox.inbox_receive_rows_v1(
     consumers text[], message_ids text[], payloads jsonb[], keys text[], types text[], sequences bigint[],
     headers jsonb[], schema_versions integer[], correlation_ids text[], causation_ids text[], sources text[])
@@ -179,13 +180,16 @@ BEGIN
         RETURN;
     END IF;
     -- Ids are taken in the arrays' order, so a key keeps its order.
-    v_ids := ARRAY(SELECT nextval('postbox.inbox_id_seq') FROM generate_series(1, v_n));
+    v_ids := ARRAY(SELECT s.id FROM (SELECT nextval('postbox.inbox_id_seq') AS id FROM generate_series(1, v_n)) s
+                    ORDER BY s.id);
     -- The ledger keeps the first of each id: a message seen before, or earlier in this batch, is
-    -- not new. Only the three columns the ledger needs are read here.
+    -- not new. Only the three columns the ledger needs are read here. Rows go in in one global
+    -- order (by id), so batches carrying the same ids in different orders never deadlock.
     WITH d AS (
         INSERT INTO postbox.inbox_dedup AS l (consumer, message_id, payload_hash, inbox_id)
         SELECT u.consumer, u.message_id, decode(md5(u.payload::text), 'hex'), u.id
           FROM unnest(consumers, message_ids, payloads, v_ids) AS u(consumer, message_id, payload, id)
+         ORDER BY u.consumer, u.message_id, u.id
         ON CONFLICT (consumer, message_id) DO NOTHING
         RETURNING l.inbox_id)
     SELECT array_agg(d.inbox_id) INTO v_new FROM d;
@@ -242,13 +246,14 @@ BEGIN
     -- concurrent receive of the same id that committed while this one waited for it).
     RETURN QUERY
     SELECT x.n, CASE WHEN x.fresh THEN 'new'
-                     WHEN l.payload_hash = decode(md5(payloads[x.n]::text), 'hex') THEN 'duplicate'
+                     WHEN l.payload_hash = decode(md5(x.payload::text), 'hex') THEN 'duplicate'
                      ELSE 'conflict' END,
            CASE WHEN x.fresh THEN x.id ELSE l.inbox_id END
-      FROM (SELECT u.n, u.id, u.id = ANY (coalesce(v_new, '{}')) AS fresh
-              FROM unnest(v_ids) WITH ORDINALITY AS u(id, n)) x
+      FROM (SELECT u.n, u.id, u.consumer, u.message_id, u.payload, u.id IN (SELECT unnest(v_new)) AS fresh
+              FROM unnest(v_ids, consumers, message_ids, payloads) WITH ORDINALITY
+                   AS u(id, consumer, message_id, payload, n)) x
       LEFT JOIN postbox.inbox_dedup l
-        ON NOT x.fresh AND l.consumer = consumers[x.n] AND l.message_id = message_ids[x.n]
+        ON NOT x.fresh AND l.consumer = x.consumer AND l.message_id = x.message_id
      ORDER BY x.n;
 END
 $$;
@@ -272,7 +277,7 @@ LANGUAGE sql STABLE AS $$
 $$;
 
 CREATE OR REPLACE FUNCTION postbox.inbox_fields_ok_v1(
-    message_ids text[], payloads jsonb[], keys text[], types text[], sequences bigint[], headers jsonb[],
+    message_ids text[], keys text[], types text[], sequences bigint[], headers jsonb[],
     schema_versions integer[], correlation_ids text[], causation_ids text[], sources text[])
 RETURNS boolean
 LANGUAGE sql STABLE AS $$
@@ -302,8 +307,32 @@ RETURNS boolean
 LANGUAGE sql STABLE AS $$
     SELECT postbox.inbox_consumers_ok_v1(consumers)
        AND postbox.inbox_payloads_ok_v1(payloads, coalesce(cardinality(message_ids), 0))
-       AND postbox.inbox_fields_ok_v1(message_ids, payloads, keys, types, sequences, headers, schema_versions,
+       AND postbox.inbox_fields_ok_v1(message_ids, keys, types, sequences, headers, schema_versions,
                                       correlation_ids, causation_ids, sources)
+$$;
+
+-- A batch given as arrays, received element by element (inbox_receive_each_v1), which names the
+-- first bad element and field: the path of batches that are not valid as a whole or go to a
+-- consumer ordered by sequence.
+CREATE OR REPLACE FUNCTION postbox.inbox_receive_arrays_each_v1(
+    consumers text[], message_ids text[], payloads jsonb[], keys text[], types text[], sequences bigint[],
+    headers jsonb[], schema_versions integer[], correlation_ids text[], causation_ids text[], sources text[])
+RETURNS TABLE (ordinality bigint, status text, inbox_id bigint)
+LANGUAGE plpgsql VOLATILE AS $$
+BEGIN
+    RETURN QUERY SELECT * FROM postbox.inbox_receive_each_v1((
+        SELECT coalesce(jsonb_agg(
+                   jsonb_build_object('consumer', u.consumer, 'message_id', u.message_id, 'key', u.key,
+                                      'type', u.type, 'sequence', u.sequence, 'headers', coalesce(u.headers, '{}'),
+                                      'schema_version', u.schema_version, 'correlation_id', u.correlation_id,
+                                      'causation_id', u.causation_id, 'source', u.source)
+                   || CASE WHEN u.payload IS NULL THEN '{}'::jsonb ELSE jsonb_build_object('payload', u.payload) END
+                   ORDER BY u.n), '[]')
+          FROM unnest(consumers, message_ids, payloads, keys, types, sequences, headers, schema_versions,
+                      correlation_ids, causation_ids, sources) WITH ORDINALITY
+               AS u(consumer, message_id, payload, key, type, sequence, headers, schema_version,
+                    correlation_id, causation_id, source, n)));
+END
 $$;
 
 -- Batch form with one array per field (what drivers send fastest: no JSON envelope to parse);
@@ -336,18 +365,9 @@ BEGIN
             correlation_ids, causation_ids, sources);
         RETURN;
     END IF;
-    RETURN QUERY SELECT * FROM postbox.inbox_receive_batch_v1((
-        SELECT coalesce(jsonb_agg(
-                   jsonb_build_object('consumer', u.consumer, 'message_id', u.message_id, 'key', u.key,
-                                      'type', u.type, 'sequence', u.sequence, 'headers', coalesce(u.headers, '{}'),
-                                      'schema_version', u.schema_version, 'correlation_id', u.correlation_id,
-                                      'causation_id', u.causation_id, 'source', u.source)
-                   || CASE WHEN u.payload IS NULL THEN '{}'::jsonb ELSE jsonb_build_object('payload', u.payload) END
-                   ORDER BY u.n), '[]')
-          FROM unnest(consumers, message_ids, payloads, keys, types, sequences, headers, schema_versions,
-                      correlation_ids, causation_ids, sources) WITH ORDINALITY
-               AS u(consumer, message_id, payload, key, type, sequence, headers, schema_version,
-                    correlation_id, causation_id, source, n)));
+    RETURN QUERY SELECT * FROM postbox.inbox_receive_arrays_each_v1(
+        consumers, message_ids, payloads, keys, types, sequences, headers, schema_versions,
+        correlation_ids, causation_ids, sources);
 END
 $$;
 COMMENT ON FUNCTION postbox.inbox_receive_arrays_v1(text[], text[], jsonb[], text[], text[], bigint[], jsonb[], integer[], text[], text[], text[])
@@ -407,13 +427,13 @@ BEGIN
        -- No element's JSON text is longer than the whole array's: one check covers the usual batch.
        AND (octet_length(payloads::text) <= postbox.max_payload_bytes_v1()
             OR postbox.inbox_payloads_ok_v1(v_payloads, v_n))
-       AND postbox.inbox_fields_ok_v1(message_ids, v_payloads, keys, types, sequences, v_headers, schema_versions,
+       AND postbox.inbox_fields_ok_v1(message_ids, keys, types, sequences, v_headers, schema_versions,
                                       correlation_ids, causation_ids, sources) THEN
         RETURN QUERY SELECT * FROM postbox.inbox_receive_rows_v1(
             v_consumers, message_ids, v_payloads, keys, types, sequences, v_headers, schema_versions,
             correlation_ids, causation_ids, sources);
     ELSE
-        RETURN QUERY SELECT * FROM postbox.inbox_receive_arrays_v1(
+        RETURN QUERY SELECT * FROM postbox.inbox_receive_arrays_each_v1(
             v_consumers, message_ids, v_payloads, keys, types, sequences, v_headers, schema_versions,
             correlation_ids, causation_ids, sources);
     END IF;
@@ -423,8 +443,9 @@ COMMENT ON FUNCTION postbox.inbox_receive_columns_v1(text, text[], jsonb, text[]
     IS 'Receive a batch for one consumer given column by column (payloads and headers as JSON arrays), in the caller''s transaction; one (ordinality, status, inbox_id) row each.';
 
 -- The batch fast path. inbox_receive_set_ok_v1 says whether every element is valid exactly as
--- inbox_receive_v1 checks it (same types, lengths, payload size), goes to a consumer in arrival
--- mode (or an undeclared one while none is declared); if not, the batch goes through inbox_receive_v1 one element at a time, which names the error.
+-- inbox_receive_v1 checks it (same types, lengths, payload size) and goes to a consumer in
+-- arrival mode (or an undeclared one while none is declared); if not, the batch goes through
+-- inbox_receive_v1 one element at a time, which names the error.
 CREATE OR REPLACE FUNCTION postbox.inbox_receive_set_ok_v1(messages jsonb) RETURNS boolean
 LANGUAGE sql STABLE AS $$
     WITH m AS (
@@ -495,21 +516,34 @@ CREATE OR REPLACE FUNCTION postbox.inbox_receive_batch_v1(messages jsonb)
 RETURNS TABLE (ordinality bigint, status text, inbox_id bigint)
 LANGUAGE plpgsql VOLATILE AS $$
 #variable_conflict use_column
+BEGIN
+    IF messages IS NULL OR jsonb_typeof(messages) <> 'array' THEN
+        PERFORM postbox.reject_v1('messages', 'must be a JSON array');
+    END IF;
+    IF postbox.inbox_receive_set_ok_v1(messages) THEN
+        -- The common case (valid input, arrival-ordered consumers): set-based, a few statements
+        -- for the whole batch instead of a few per message.
+        RETURN QUERY SELECT * FROM postbox.inbox_receive_set_v1(messages);
+        RETURN;
+    END IF;
+    RETURN QUERY SELECT * FROM postbox.inbox_receive_each_v1(messages);
+END
+$$;
+COMMENT ON FUNCTION postbox.inbox_receive_batch_v1(jsonb)
+    IS 'Receive a JSON array of messages in the caller''s transaction; one (ordinality, status, inbox_id) row each.';
+
+-- A JSON array of messages received one at a time through inbox_receive_v1, in order: the first
+-- bad element is refused with its position and field named (messages[3].key).
+CREATE OR REPLACE FUNCTION postbox.inbox_receive_each_v1(messages jsonb)
+RETURNS TABLE (ordinality bigint, status text, inbox_id bigint)
+LANGUAGE plpgsql VOLATILE AS $$
+#variable_conflict use_column
 DECLARE
     m    jsonb;
     n    bigint;
     f    text;
     r    record;
 BEGIN
-    IF messages IS NULL OR jsonb_typeof(messages) <> 'array' THEN
-        PERFORM postbox.reject_v1('messages', 'must be a JSON array');
-    END IF;
-    IF postbox.inbox_receive_set_ok_v1(messages) THEN
-        -- The common case (valid input, arrival-ordered consumers, no id twice in the batch):
-        -- set-based, a few statements for the whole batch instead of a few per message.
-        RETURN QUERY SELECT * FROM postbox.inbox_receive_set_v1(messages);
-        RETURN;
-    END IF;
     FOR m, n IN SELECT e.value, e.ordinality FROM jsonb_array_elements(messages) WITH ORDINALITY e LOOP
         IF jsonb_typeof(m) <> 'object' THEN
             PERFORM postbox.reject_v1(format('messages[%s]', n), 'must be a JSON object');
@@ -543,5 +577,5 @@ BEGIN
     END LOOP;
 END
 $$;
-COMMENT ON FUNCTION postbox.inbox_receive_batch_v1(jsonb)
-    IS 'Receive a JSON array of messages in the caller''s transaction; one (ordinality, status, inbox_id) row each.';
+COMMENT ON FUNCTION postbox.inbox_receive_each_v1(jsonb)
+    IS 'Internal: receive a JSON array of messages one at a time, naming the first bad element.';

@@ -21,6 +21,14 @@ SELECT ordinality, status, inbox_id FROM postbox.inbox_receive_columns_v1(
     sources => CAST(:sources AS text[]))
 ORDER BY ordinality;
 
+-- name: inbox_receive_arrays
+SELECT ordinality, status, inbox_id FROM postbox.inbox_receive_arrays_v1(
+    CAST(:consumers AS text[]), CAST(:message_ids AS text[]), CAST(:payloads AS jsonb[]), CAST(:keys AS text[]),
+    CAST(:types AS text[]), CAST(:sequences AS bigint[]), CAST(:headers AS jsonb[]),
+    CAST(:schema_versions AS integer[]), CAST(:correlation_ids AS text[]), CAST(:causation_ids AS text[]),
+    CAST(:sources AS text[]))
+ORDER BY ordinality;
+
 -- name: outbox_publish
 SELECT postbox.outbox_publish_v1(
     destination => :destination, payload => CAST(:payload AS jsonb), key => :key, type => :type,
