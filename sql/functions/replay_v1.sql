@@ -144,8 +144,9 @@ BEGIN
         RETURN v_job;   -- another process is stepping it
     END IF;
     IF v_job.state <> 'pending' AND v_job.state <> 'running' THEN
-        IF v_job.state IN ('paused', 'cancelled') THEN
-            -- Nothing is sent, but what was sent still settles, so the counters stay true.
+        IF v_job.state IN ('paused', 'cancelled', 'aborted') THEN
+            -- Nothing is sent, but what was sent still settles, so the counters stay true (a canary
+            -- aborts at its first failure, while the rest of the canary may still be running).
             SELECT * INTO v_succeeded, v_failed FROM postbox.replay_settle_v1(p_job, p_now);
             IF v_succeeded + v_failed > 0 THEN
                 UPDATE postbox.replay_jobs
