@@ -23,18 +23,24 @@ def db(database):
     return database
 
 
-def test_producer_worker_race_never_orphans_a_message(db):
-    """One key hammered by concurrent producers while workers finish heads as fast as they can:
-    every message is processed (none left without a head), each producer's messages in its order."""
-    url = db.url
+def _recording_worker(url: str, batch_size: int) -> Worker:
+    """A started worker for consumer c whose handler records each message as an effect row."""
     reg = Registry()
 
     @reg.handler("c")
     def handle(m, ctx):
         record_effect(ctx.conn, m.message_id, m.key, m.sequence, m.attempt)
 
-    w = Worker(url, reg, WorkerSettings(consumer="c", concurrency=4, batch_size=1, **FAST))
+    w = Worker(url, reg, WorkerSettings(consumer="c", concurrency=4, batch_size=batch_size, **FAST))
     w.start()
+    return w
+
+
+def test_producer_worker_race_never_orphans_a_message(db):
+    """One key hammered by concurrent producers while workers finish heads as fast as they can:
+    every message is processed (none left without a head), each producer's messages in its order."""
+    url = db.url
+    w = _recording_worker(url, batch_size=1)
     per_producer = 150
 
     def producer(p: int) -> None:
@@ -73,14 +79,7 @@ def test_concurrent_batches_with_overlapping_ids_are_received_once(db):
     exactly once, none is left behind, and batches taking their ids and keys in order never
     deadlock each other."""
     url = db.url
-    reg = Registry()
-
-    @reg.handler("c")
-    def handle(m, ctx):
-        record_effect(ctx.conn, m.message_id, m.key, m.sequence, m.attempt)
-
-    w = Worker(url, reg, WorkerSettings(consumer="c", concurrency=4, batch_size=10, **FAST))
-    w.start()
+    w = _recording_worker(url, batch_size=10)
     total = 600
     news: list[str] = []
     lock = threading.Lock()
