@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from service.errors import InvalidMessage
 
 __all__ = [
+    "INBOX_DEFAULTS",
     "InboxMessage",
     "OutboxMessage",
     "ReceiveResult",
@@ -281,7 +282,8 @@ _INBOX_TEXT = {
 _INBOX_FIELDS = frozenset(_INBOX_TEXT) | {"payload", "headers", "sequence", "schema_version"}
 
 
-_INBOX_DEFAULTS: dict[str, Any] = {
+# What an inbox field absent from a dict stands for (InboxMessage's defaults).
+INBOX_DEFAULTS: dict[str, Any] = {
     "key": None,
     "type": None,
     "sequence": None,
@@ -294,7 +296,9 @@ _INBOX_DEFAULTS: dict[str, Any] = {
 
 
 def plain_inbox_item(fields: dict[str, Any]) -> dict[str, Any] | None:
-    """``fields`` as :meth:`InboxMessage.batch_item` would give it, if they are plainly valid.
+    """``fields`` themselves if they are plainly valid, else None. An absent field stands for its
+    default (:data:`INBOX_DEFAULTS`), so ``INBOX_DEFAULTS | item`` is what
+    :meth:`InboxMessage.batch_item` gives.
 
     The batch path's shortcut past pydantic: the same checks (``_check_text``, ``_check_json``)
     on values already of the exact type the model wants. Anything else (a missing or unknown
@@ -307,8 +311,13 @@ def plain_inbox_item(fields: dict[str, Any]) -> dict[str, Any] | None:
         for name, value in fields.items():
             limit = _INBOX_TEXT.get(name)
             if limit is not None:
-                if value is not None and (type(value) is not str or _check_text(value, limit) is None):
+                if value is None:
+                    continue
+                if type(value) is not str:
                     return None
+                # The usual text: ASCII, so one byte per character, and no NUL.
+                if not (0 < len(value) <= limit and value.isascii() and "\x00" not in value):
+                    _check_text(value, limit)
             elif name == "payload":
                 _check_json(value)
             elif name == "headers":
@@ -324,7 +333,7 @@ def plain_inbox_item(fields: dict[str, Any]) -> dict[str, Any] | None:
         return None
     if fields.get("consumer") is None or fields.get("message_id") is None or "payload" not in fields:
         return None
-    return _INBOX_DEFAULTS | fields  # the default headers dict is shared: items are only serialised
+    return fields
 
 
 class ReceiveStatus(StrEnum):

@@ -17,6 +17,7 @@ from service.db import AnyAsyncConnection, AnySyncConnection, query, run, run_as
 from service.db.connector import first
 from service.errors import InvalidMessage
 from service.messages import (
+    INBOX_DEFAULTS,
     InboxMessage,
     OutboxMessage,
     ReceiveResult,
@@ -81,45 +82,68 @@ def _outbox_batch(messages: Iterable[OutboxMessage | dict[str, Any]]) -> list[Ou
     return checked
 
 
-def _column(items: list[dict[str, Any]], field: str, default: Any = None) -> list[Any] | None:
-    values = [m[field] for m in items]
-    return None if all(v == default for v in values) else values
+# The optional columns of a batch, with what an absent field stands for.
+_OPTIONAL_COLUMNS = (
+    ("keys", "key"),
+    ("types", "type"),
+    ("sequences", "sequence"),
+    ("schema_versions", "schema_version"),
+    ("correlation_ids", "correlation_id"),
+    ("causation_ids", "causation_id"),
+    ("sources", "source"),
+)
 
 
 def _inbox_call(items: list[dict[str, Any]]) -> tuple[str, dict[str, Any]]:
     """The query and bind parameters that receive ``items`` in one statement: column by column
     for a batch to one consumer (payloads and headers as one JSON array each), one array per field
-    when it mixes consumers. A field absent from every message travels as NULL."""
-    headers = [m["headers"] for m in items]
-    columns = {
-        "message_ids": [m["message_id"] for m in items],
-        "keys": _column(items, "key"),
-        "types": _column(items, "type"),
-        "sequences": _column(items, "sequence"),
-        "schema_versions": _column(items, "schema_version", 1),
-        "correlation_ids": _column(items, "correlation_id"),
-        "causation_ids": _column(items, "causation_id"),
-        "sources": _column(items, "source"),
-    }
+    when it mixes consumers. A field no message has (absent or its default) travels as NULL."""
+    present = set().union(*items)  # the fields some item has: the others need no scan
+    columns: dict[str, Any] = {"message_ids": [m["message_id"] for m in items]}
+    for column, name in _OPTIONAL_COLUMNS:
+        values = None
+        if name in present:
+            default = INBOX_DEFAULTS[name]
+            values = [m.get(name, default) for m in items]
+            if all(v == default for v in values):
+                values = None
+        columns[column] = values
+    headers = [m.get("headers") or {} for m in items] if "headers" in present else None
+    if headers is not None and not any(headers):
+        headers = None
     consumers = [m["consumer"] for m in items]
     if consumers.count(consumers[0]) == len(consumers):
         return "inbox_receive_columns", columns | {
             "consumer": consumers[0],
             "payloads": to_json([m["payload"] for m in items]),
-            "headers": to_json(headers) if any(headers) else None,
+            "headers": None if headers is None else to_json(headers),
         }
     return "inbox_receive_arrays", columns | {
         "consumers": consumers,
         "payloads": [to_json(m["payload"]) for m in items],
-        "headers": [to_json(h) for h in headers] if any(headers) else None,
+        "headers": None if headers is None else [to_json(h) for h in headers],
     }
 
 
 _STATUSES = {s.value: s for s in ReceiveStatus}
+_new_result = object.__new__
+_set_field = object.__setattr__
 
 
 def _receive_result(row: Sequence[Any]) -> ReceiveResult:
     return ReceiveResult(status=_STATUSES[row[0]], inbox_id=row[1])
+
+
+def _receive_results(rows: Iterable[Sequence[Any]]) -> list[ReceiveResult]:
+    """One result per (ordinality, status, inbox_id) row: built field by field, since a batch
+    builds one per message and the checked constructor costs twice as much."""
+    results = []
+    for _, status, inbox_id in rows:
+        r = _new_result(ReceiveResult)
+        _set_field(r, "status", _STATUSES[status])
+        _set_field(r, "inbox_id", inbox_id)
+        results.append(r)
+    return results
 
 
 # --- inbox -----------------------------------------------------------------------------------
@@ -145,7 +169,7 @@ def receive_many(
     if not items:
         return []
     name, params = _inbox_call(items)
-    return [_receive_result(r[1:]) for r in run(conn, query(name), params)]
+    return _receive_results(run(conn, query(name), params))
 
 
 async def receive_async(
@@ -164,7 +188,7 @@ async def receive_many_async(
     if not items:
         return []
     name, params = _inbox_call(items)
-    return [_receive_result(r[1:]) for r in await run_async(conn, query(name), params)]
+    return _receive_results(await run_async(conn, query(name), params))
 
 
 # --- outbox ----------------------------------------------------------------------------------

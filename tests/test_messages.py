@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from service.messages import InboxMessage, plain_inbox_item
+from service.messages import INBOX_DEFAULTS, InboxMessage, plain_inbox_item
 
 _TEXTS = st.one_of(
     st.text(max_size=8),
@@ -66,14 +66,15 @@ def test_plain_items_are_exactly_what_the_model_gives(fields: dict[str, Any]) ->
         model = InboxMessage(**fields)
     except ValidationError as error:
         raise AssertionError(f"shortcut accepted what the model refuses: {error}") from None
-    assert _same(item, model.batch_item())
+    assert item is fields  # no copy: absent fields stand for their defaults
+    assert _same(INBOX_DEFAULTS | item, model.batch_item())
 
 
 def test_the_usual_message_takes_the_shortcut() -> None:
     """A plain dict with the usual fields is accepted without building a model."""
     fields = {"consumer": "c", "message_id": "m", "payload": {"a": [1, 2.5, None]}, "key": "k", "sequence": 3}
     item = plain_inbox_item(fields)
-    assert item is not None and _same(item, InboxMessage(**fields).batch_item())
+    assert item is not None and _same(INBOX_DEFAULTS | item, InboxMessage(**fields).batch_item())
     assert plain_inbox_item(fields | {"sequence": True}) is None  # the model refuses a bool sequence
     assert plain_inbox_item(fields | {"payload": {1: "x"}}) is None  # a non-string key
 

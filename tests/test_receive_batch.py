@@ -258,3 +258,109 @@ def test_column_and_array_shapes_are_checked(conn, call, field):
     assert info.value.diag.column_name == field
     conn.rollback()
     assert conn.execute("SELECT count(*) FROM postbox.inbox_dedup").fetchone() == (0,)
+
+
+# --- plain inserts first (inbox_receive_rows_v1) ------------------------------------------------
+# A batch of 16 or more first tries plain inserts in a subtransaction and falls back to ON CONFLICT
+# on a unique violation. Rows a subtransaction wrote carry its xid, not the transaction's: that is
+# how these tests see which path a batch took.
+
+
+# A subtransaction's xid comes after its transaction's; rows of earlier transactions have lower ones.
+_WRITER = {
+    table: "SELECT CASE sign(xmin::text::bigint - mod(txid_current(), 4294967296)) "
+    "WHEN 1 THEN 'sub' WHEN 0 THEN 'top' ELSE 'before' END "
+    f"FROM postbox.{table} WHERE consumer = %s ORDER BY message_id"
+    for table in ("inbox", "inbox_dedup")
+}
+
+
+def _writers(conn: psycopg.Connection[Any], table: str, consumer: str) -> list[str]:
+    """For each row of ``consumer`` in ``table``, by message id, what wrote it: a subtransaction of
+    this transaction ('sub'), the transaction itself ('top'), or an earlier one ('before')."""
+    return [r[0] for r in conn.execute(_WRITER[table], (consumer,))]
+
+
+def test_a_fresh_batch_without_keys_goes_in_with_plain_inserts(conn):
+    """Nothing to conflict with: the ledger rows and the heads are written by the plain try, and
+    the outcome is what one-at-a-time receives give."""
+    batch = [{"consumer": "set", "message_id": f"m{i:02}", "payload": {"i": i}} for i in range(20)]
+    results = service.receive_many(conn, batch)
+    assert [r.status.value for r in results] == ["new"] * 20
+    assert _writers(conn, "inbox_dedup", "set") == _writers(conn, "inbox", "set") == ["sub"] * 20
+    one = [service.receive(conn, **(m | {"consumer": "one"})) for m in batch]
+    assert [r.status for r in one] == [r.status for r in results]
+    assert _inbox(conn, "set") == _inbox(conn, "one")
+    assert {s for _, _, s in _inbox(conn, "set")} == {"ready"}
+
+
+def test_a_batch_that_conflicts_falls_back_with_the_outcomes_of_one_at_a_time(conn):
+    """An id seen before (same or other payload), the same id twice in the batch, and an id that
+    another message uses as its key: the plain try is undone and the ON CONFLICT path gives exactly
+    what receiving one at a time gives."""
+    batch = [{"message_id": f"m{i:02}", "payload": {"i": i}} for i in range(20)]
+    batch[3] = {"message_id": "old", "payload": {"n": 1}}  # a duplicate
+    batch[5] = {"message_id": "clash", "payload": {"n": 2}}  # a conflict
+    batch[7] = {"message_id": "m06", "payload": {"i": 6}}  # m06 again in this batch
+    batch[9] = {"message_id": "k", "payload": {"n": 3}}  # key k has a head: queued behind it
+    results = {}
+    for consumer in ("set", "one"):
+        service.receive(conn, consumer=consumer, message_id="old", payload={"n": 1})
+        service.receive(conn, consumer=consumer, message_id="clash", payload={"other": True})
+        service.receive(conn, consumer=consumer, message_id="head", key="k", payload={})
+    conn.commit()
+    results["set"] = [
+        r.status.value for r in service.receive_many(conn, [m | {"consumer": "set"} for m in batch])
+    ]
+    results["one"] = [service.receive(conn, consumer="one", **m).status.value for m in batch]
+    expected = ["new"] * 20
+    expected[3], expected[5], expected[7] = "duplicate", "conflict", "duplicate"
+    assert results["set"] == results["one"] == expected
+    assert _inbox(conn, "set") == _inbox(conn, "one")
+    assert ("k", "k", "pending") in _inbox(conn, "set")
+    assert "sub" not in _writers(conn, "inbox", "set")  # the try left nothing behind
+    assert conn.execute("SELECT count(*) FROM postbox.inbox_dedup WHERE consumer = 'set'").fetchone() == (20,)
+
+
+def test_a_keyed_batch_writes_its_ledger_rows_plainly_and_its_heads_with_on_conflict(conn):
+    """With keys, a head may already exist: only the ledger rows take the plain try; heads and
+    queued messages are those of one-at-a-time receives."""
+    service.receive(conn, consumer="set", message_id="first", key="k0", payload={})
+    service.receive(conn, consumer="one", message_id="first", key="k0", payload={})
+    conn.commit()
+    batch = [{"message_id": f"m{i:02}", "key": f"k{i % 3}", "payload": {"i": i}} for i in range(20)]
+    results = service.receive_many(conn, [m | {"consumer": "set"} for m in batch])
+    one = [service.receive(conn, consumer="one", **m) for m in batch]
+    assert [r.status for r in results] == [r.status for r in one]
+    assert _inbox(conn, "set") == _inbox(conn, "one")
+    assert _writers(conn, "inbox_dedup", "set") == ["before"] + ["sub"] * 20  # "first", then m00..m19
+    assert set(_writers(conn, "inbox", "set")) == {"before", "top"}
+
+
+def test_plain_tries_are_capped_per_transaction(conn):
+    """At most 32 batches per transaction try plain inserts (each a subtransaction: PostgreSQL's
+    cache holds 64); later ones take the ON CONFLICT path, and the next transaction starts over."""
+    for b in range(40):
+        batch = [{"consumer": "c", "message_id": f"b{b:02}-{i:02}", "payload": i} for i in range(16)]
+        assert all(r.is_new for r in service.receive_many(conn, batch))
+    assert conn.execute("SELECT current_setting('postbox.plain_batches')").fetchone() == ("32",)
+    assert _writers(conn, "inbox", "c") == ["sub"] * 32 * 16 + ["top"] * 8 * 16
+    conn.commit()
+    assert conn.execute("SELECT current_setting('postbox.plain_batches', true)").fetchone() in {
+        ("",),
+        (None,),
+    }
+    service.receive_many(
+        conn, [{"consumer": "c", "message_id": f"next-{i:02}", "payload": i} for i in range(16)]
+    )
+    assert conn.execute("SELECT current_setting('postbox.plain_batches')").fetchone() == ("1",)
+
+
+def test_small_batches_take_no_subtransaction(conn):
+    """Under 16 messages a subtransaction costs more than it saves: ON CONFLICT straight away."""
+    service.receive_many(conn, [{"consumer": "c", "message_id": f"m{i:02}", "payload": i} for i in range(15)])
+    assert _writers(conn, "inbox", "c") == ["top"] * 15
+    assert conn.execute("SELECT current_setting('postbox.plain_batches', true)").fetchone() in {
+        ("",),
+        (None,),
+    }

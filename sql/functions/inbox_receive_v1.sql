@@ -162,6 +162,16 @@ COMMENT ON FUNCTION postbox.inbox_receive_v1(text, text, jsonb, text, text, bigi
 -- received as inbox_receive_v1 would one by one, in the arrays' order (ids are taken in that
 -- order, so a key keeps its order): one statement writes the ledger rows of the whole batch, one
 -- its heads, and one its queued messages if any.
+--
+-- A fresh batch conflicts with nothing, and a plain INSERT costs far less than ON CONFLICT's
+-- speculative insertion (a batch of 500 without keys: about 35% less time in its two inserts).
+-- So a batch of 16 or more first tries plain inserts in a subtransaction: the ledger rows and, if
+-- no message has a key, the heads. A unique violation (an id seen before, a concurrent receive of
+-- the same id, an id that another message uses as its key; an id twice in the batch is filtered
+-- out first) undoes the try, and the batch takes the ON CONFLICT path. Both paths take rows in
+-- the same global order. At most 32 tries per transaction (counted in the transaction-
+-- local setting postbox.plain_batches): PostgreSQL's per-backend cache of subtransactions holds
+-- 64, and a transaction past it slows every snapshot in the cluster.
 CREATE OR REPLACE FUNCTION postbox.inbox_receive_rows_v1(
     consumers text[], message_ids text[], payloads jsonb[], keys text[], types text[], sequences bigint[],
     headers jsonb[], schema_versions integer[], correlation_ids text[], causation_ids text[], sources text[])
@@ -175,6 +185,9 @@ DECLARE
     v_all       boolean;
     v_heads     bigint[];
     v_notify    text[];
+    v_keyless   boolean := keys IS NULL OR cardinality(array_remove(keys, NULL)) = 0;
+    v_plain     boolean := false;
+    v_tries     integer;
 BEGIN
     IF v_n = 0 THEN
         RETURN;
@@ -182,44 +195,90 @@ BEGIN
     -- Ids are taken in the arrays' order, so a key keeps its order.
     v_ids := ARRAY(SELECT s.id FROM (SELECT nextval('postbox.inbox_id_seq') AS id FROM generate_series(1, v_n)) s
                     ORDER BY s.id);
-    -- The ledger keeps the first of each id: a message seen before, or earlier in this batch, is
-    -- not new. Only the three columns the ledger needs are read here. Rows go in in one global
-    -- order (by id), so batches carrying the same ids in different orders never deadlock.
-    WITH d AS (
-        INSERT INTO postbox.inbox_dedup AS l (consumer, message_id, payload_hash, inbox_id)
-        SELECT u.consumer, u.message_id, decode(md5(u.payload::text), 'hex'), u.id
-          FROM unnest(consumers, message_ids, payloads, v_ids) AS u(consumer, message_id, payload, id)
-         ORDER BY u.consumer, u.message_id, u.id
-        ON CONFLICT (consumer, message_id) DO NOTHING
-        RETURNING l.inbox_id)
-    SELECT array_agg(d.inbox_id) INTO v_new FROM d;
-    v_all := coalesce(cardinality(v_new), 0) = v_n;
-    -- The first new message of a key becomes its head, unless the key has a head already or
-    -- queued messages (never overtake them). Keys are taken in one global order, so two batches
-    -- starting the same keys never wait for each other in a cycle.
-    WITH f AS (
-        SELECT u.id, u.consumer, u.message_id, coalesce(u.key, u.message_id) AS key, u.sequence, u.type,
-               coalesce(u.schema_version, 1) AS schema_version, u.payload, coalesce(u.headers, '{}'::jsonb) AS headers,
-               u.correlation_id, u.causation_id, u.source
-          FROM unnest(consumers, message_ids, payloads, keys, types, sequences, headers, schema_versions,
-                      correlation_ids, causation_ids, sources, v_ids)
-               AS u(consumer, message_id, payload, key, type, sequence, headers, schema_version,
-                    correlation_id, causation_id, source, id)
-         WHERE v_all OR u.id IN (SELECT unnest(v_new))),
-    h AS (
-        INSERT INTO postbox.inbox AS i (id, consumer, message_id, key, sequence, position, type, schema_version,
-                                        payload, headers, correlation_id, causation_id, source, state)
-        SELECT DISTINCT ON (f.consumer, f.key)
-               f.id, f.consumer, f.message_id, f.key, f.sequence, f.id, f.type, f.schema_version,
-               f.payload, f.headers, f.correlation_id, f.causation_id, f.source, 'ready'
-          FROM f
-         WHERE NOT EXISTS (SELECT 1 FROM postbox.inbox p
-                            WHERE p.consumer = f.consumer AND p.key = f.key AND p.state = 'pending'
-                              AND p.position < f.id)
-         ORDER BY f.consumer, f.key, f.id
-        ON CONFLICT (consumer, key) WHERE state <> 'pending' DO NOTHING
-        RETURNING i.id, i.consumer)
-    SELECT array_agg(h.id), array_agg(DISTINCT h.consumer) INTO v_heads, v_notify FROM h;
+    v_tries := coalesce(nullif(current_setting('postbox.plain_batches', true), '')::integer, 0);
+    IF v_n >= 16 AND v_tries < 32 THEN
+        PERFORM set_config('postbox.plain_batches', (v_tries + 1)::text, true);
+        BEGIN
+            -- The first of each id, in the ledger's global order.
+            WITH d AS (
+                INSERT INTO postbox.inbox_dedup AS l (consumer, message_id, payload_hash, inbox_id)
+                SELECT DISTINCT ON (u.consumer, u.message_id)
+                       u.consumer, u.message_id, decode(md5(u.payload::text), 'hex'), u.id
+                  FROM unnest(consumers, message_ids, payloads, v_ids) AS u(consumer, message_id, payload, id)
+                 ORDER BY u.consumer, u.message_id, u.id
+                RETURNING l.inbox_id)
+            SELECT array_agg(d.inbox_id) INTO v_new FROM d;
+            v_all := coalesce(cardinality(v_new), 0) = v_n;
+            IF v_keyless THEN
+                -- Each new message is its own key (its id): its head, in the same global order
+                -- as below, unless messages queued under that key wait for theirs.
+                WITH h AS (
+                    INSERT INTO postbox.inbox AS i (id, consumer, message_id, key, sequence, position, type,
+                                                    schema_version, payload, headers, correlation_id,
+                                                    causation_id, source, state)
+                    SELECT u.id, u.consumer, u.message_id, u.message_id, u.sequence, u.id, u.type,
+                           coalesce(u.schema_version, 1), u.payload, coalesce(u.headers, '{}'::jsonb),
+                           u.correlation_id, u.causation_id, u.source, 'ready'
+                      FROM unnest(consumers, message_ids, payloads, types, sequences, headers, schema_versions,
+                                  correlation_ids, causation_ids, sources, v_ids)
+                           AS u(consumer, message_id, payload, type, sequence, headers, schema_version,
+                                correlation_id, causation_id, source, id)
+                     WHERE (v_all OR u.id IN (SELECT unnest(v_new)))
+                       AND NOT EXISTS (SELECT 1 FROM postbox.inbox p
+                                        WHERE p.consumer = u.consumer AND p.key = u.message_id
+                                          AND p.state = 'pending')
+                     ORDER BY u.consumer, u.message_id
+                    RETURNING i.id, i.consumer)
+                SELECT array_agg(h.id), array_agg(DISTINCT h.consumer) INTO v_heads, v_notify FROM h;
+            END IF;
+            v_plain := true;
+        EXCEPTION WHEN unique_violation THEN
+            v_heads := NULL;
+            v_notify := NULL;
+        END;
+    END IF;
+    IF NOT v_plain THEN
+        -- The ledger keeps the first of each id: a message seen before, or earlier in this batch, is
+        -- not new. Only the three columns the ledger needs are read here. Rows go in in one global
+        -- order (by id), so batches carrying the same ids in different orders never deadlock.
+        WITH d AS (
+            INSERT INTO postbox.inbox_dedup AS l (consumer, message_id, payload_hash, inbox_id)
+            SELECT u.consumer, u.message_id, decode(md5(u.payload::text), 'hex'), u.id
+              FROM unnest(consumers, message_ids, payloads, v_ids) AS u(consumer, message_id, payload, id)
+             ORDER BY u.consumer, u.message_id, u.id
+            ON CONFLICT (consumer, message_id) DO NOTHING
+            RETURNING l.inbox_id)
+        SELECT array_agg(d.inbox_id) INTO v_new FROM d;
+        v_all := coalesce(cardinality(v_new), 0) = v_n;
+    END IF;
+    IF NOT (v_plain AND v_keyless) THEN
+        -- The first new message of a key becomes its head, unless the key has a head already or
+        -- queued messages (never overtake them). Keys are taken in one global order, so two batches
+        -- starting the same keys never wait for each other in a cycle.
+        WITH f AS (
+            SELECT u.id, u.consumer, u.message_id, coalesce(u.key, u.message_id) AS key, u.sequence, u.type,
+                   coalesce(u.schema_version, 1) AS schema_version, u.payload, coalesce(u.headers, '{}'::jsonb) AS headers,
+                   u.correlation_id, u.causation_id, u.source
+              FROM unnest(consumers, message_ids, payloads, keys, types, sequences, headers, schema_versions,
+                          correlation_ids, causation_ids, sources, v_ids)
+                   AS u(consumer, message_id, payload, key, type, sequence, headers, schema_version,
+                        correlation_id, causation_id, source, id)
+             WHERE v_all OR u.id IN (SELECT unnest(v_new))),
+        h AS (
+            INSERT INTO postbox.inbox AS i (id, consumer, message_id, key, sequence, position, type, schema_version,
+                                            payload, headers, correlation_id, causation_id, source, state)
+            SELECT DISTINCT ON (f.consumer, f.key)
+                   f.id, f.consumer, f.message_id, f.key, f.sequence, f.id, f.type, f.schema_version,
+                   f.payload, f.headers, f.correlation_id, f.causation_id, f.source, 'ready'
+              FROM f
+             WHERE NOT EXISTS (SELECT 1 FROM postbox.inbox p
+                                WHERE p.consumer = f.consumer AND p.key = f.key AND p.state = 'pending'
+                                  AND p.position < f.id)
+             ORDER BY f.consumer, f.key, f.id
+            ON CONFLICT (consumer, key) WHERE state <> 'pending' DO NOTHING
+            RETURNING i.id, i.consumer)
+        SELECT array_agg(h.id), array_agg(DISTINCT h.consumer) INTO v_heads, v_notify FROM h;
+    END IF;
     IF coalesce(cardinality(v_heads), 0) < coalesce(cardinality(v_new), 0) THEN
         -- Everything else new is queued behind its key's head; the commit trigger re-checks it.
         INSERT INTO postbox.inbox (id, consumer, message_id, key, sequence, position, type, schema_version,
