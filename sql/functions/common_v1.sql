@@ -42,12 +42,18 @@ $$;
 
 -- Every element of an array of text fields is valid: NULL only if not required (a NULL array is
 -- a field no element has), otherwise 1 to max_bytes bytes.
+-- (plpgsql, not sql: a sql function with a subquery is planned again in every transaction, a
+-- plpgsql one once per session.)
 CREATE OR REPLACE FUNCTION postbox.texts_ok_v1(vals text[], max_bytes integer, required boolean) RETURNS boolean
-LANGUAGE sql IMMUTABLE AS $$
-    SELECT CASE WHEN vals IS NULL THEN NOT required
-                ELSE coalesce((SELECT bool_and(CASE WHEN v IS NULL THEN NOT required
-                                                    ELSE octet_length(v) BETWEEN 1 AND max_bytes END)
-                                 FROM unnest(vals) AS v), true) END
+LANGUAGE plpgsql IMMUTABLE AS $$
+BEGIN
+    IF vals IS NULL THEN
+        RETURN NOT required;
+    END IF;
+    RETURN coalesce((SELECT bool_and(CASE WHEN v IS NULL THEN NOT required
+                                          ELSE octet_length(v) BETWEEN 1 AND max_bytes END)
+                       FROM unnest(vals) AS v), true);
+END
 $$;
 
 -- A batch given as one array per field: every array that is not NULL has one element per message.

@@ -326,37 +326,49 @@ COMMENT ON FUNCTION postbox.inbox_receive_rows_v1(text[], text[], jsonb[], text[
 -- message has), each consumer once. The same id twice needs no special path: the ledger insert
 -- keeps the first, and the later ones come back duplicate or conflict.
 CREATE OR REPLACE FUNCTION postbox.inbox_consumers_ok_v1(consumers text[]) RETURNS boolean
-LANGUAGE sql STABLE AS $$
-    SELECT coalesce(bool_and(coalesce(
+LANGUAGE plpgsql STABLE AS $$
+BEGIN
+    -- (The checks are plpgsql, not sql: a sql function with a subquery is planned again in every
+    -- transaction, a plpgsql one once per session.)
+    RETURN (SELECT coalesce(bool_and(coalesce(
                octet_length(u.name) BETWEEN 1 AND 200
                AND CASE WHEN c.name IS NULL THEN NOT EXISTS (SELECT 1 FROM postbox.consumers d WHERE d.declared)
                         ELSE c.sequence_mode = 'arrival' END, false)), consumers IS NOT NULL)
-      FROM (SELECT DISTINCT u.name FROM unnest(consumers) AS u(name)) u
-      LEFT JOIN postbox.consumers c ON c.name = u.name
+              FROM (SELECT DISTINCT u.name FROM unnest(consumers) AS u(name)) u
+              LEFT JOIN postbox.consumers c ON c.name = u.name);
+END
 $$;
 
 CREATE OR REPLACE FUNCTION postbox.inbox_fields_ok_v1(
     message_ids text[], keys text[], types text[], sequences bigint[], headers jsonb[],
     schema_versions integer[], correlation_ids text[], causation_ids text[], sources text[])
 RETURNS boolean
-LANGUAGE sql STABLE AS $$
-    SELECT postbox.texts_ok_v1(message_ids, 512, true)
-       AND postbox.texts_ok_v1(keys, 1024, false)
-       AND postbox.texts_ok_v1(types, 200, false)
-       AND postbox.texts_ok_v1(correlation_ids, 512, false)
-       AND postbox.texts_ok_v1(causation_ids, 512, false)
-       AND postbox.texts_ok_v1(sources, 512, false)
-       AND coalesce((SELECT bool_and(s >= 0) FROM unnest(sequences) AS s), true)
-       AND coalesce((SELECT bool_and(v >= 1) FROM unnest(schema_versions) AS v), true)
-       AND coalesce((SELECT bool_and(jsonb_typeof(coalesce(h, '{}'::jsonb)) = 'object') FROM unnest(headers) AS h), true)
+LANGUAGE plpgsql STABLE AS $$
+BEGIN
+    -- A NULL column is a field no message has: nothing to check.
+    RETURN postbox.texts_ok_v1(message_ids, 512, true)
+       AND (keys IS NULL OR postbox.texts_ok_v1(keys, 1024, false))
+       AND (types IS NULL OR postbox.texts_ok_v1(types, 200, false))
+       AND (correlation_ids IS NULL OR postbox.texts_ok_v1(correlation_ids, 512, false))
+       AND (causation_ids IS NULL OR postbox.texts_ok_v1(causation_ids, 512, false))
+       AND (sources IS NULL OR postbox.texts_ok_v1(sources, 512, false))
+       AND (sequences IS NULL OR coalesce((SELECT bool_and(s >= 0) FROM unnest(sequences) AS s), true))
+       AND (schema_versions IS NULL OR coalesce((SELECT bool_and(v >= 1) FROM unnest(schema_versions) AS v), true))
+       AND (headers IS NULL
+            OR coalesce((SELECT bool_and(jsonb_typeof(coalesce(h, '{}'::jsonb)) = 'object') FROM unnest(headers) AS h), true));
+END
 $$;
 
 -- Every payload is present and within postbox.max_payload_bytes (as JSON text).
 CREATE OR REPLACE FUNCTION postbox.inbox_payloads_ok_v1(payloads jsonb[], n integer) RETURNS boolean
-LANGUAGE sql STABLE AS $$
-    SELECT CASE WHEN payloads IS NULL THEN n = 0
-                ELSE coalesce((SELECT bool_and(coalesce(octet_length(p::text) <= m.max, false))
-                                 FROM unnest(payloads) AS p, (SELECT postbox.max_payload_bytes_v1() AS max) m), true) END
+LANGUAGE plpgsql STABLE AS $$
+BEGIN
+    IF payloads IS NULL THEN
+        RETURN n = 0;
+    END IF;
+    RETURN coalesce((SELECT bool_and(coalesce(octet_length(p::text) <= m.max, false))
+                       FROM unnest(payloads) AS p, (SELECT postbox.max_payload_bytes_v1() AS max) m), true);
+END
 $$;
 
 CREATE OR REPLACE FUNCTION postbox.inbox_receive_arrays_ok_v1(
