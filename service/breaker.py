@@ -37,19 +37,33 @@ class BreakerState(StrEnum):
 
 
 class CircuitBreaker:
+    # Outcomes are counted in buckets of a hundredth of the window: recording costs the same and
+    # memory stays the same whatever the rate (an outcome leaves the window up to one bucket late).
+    _BUCKETS = 100
+
     def __init__(self, settings: BreakerSettings, clock: Callable[[], float] = time.monotonic) -> None:
         self.settings = settings
         self._clock = clock
         self._lock = threading.Lock()
-        self._outcomes: deque[tuple[float, bool]] = deque()  # (when, failed transiently)
+        self._resolution = settings.window_seconds / self._BUCKETS
+        self._buckets: deque[list[int]] = deque()  # [bucket number, attempts, transient failures]
+        self._attempts = 0
+        self._failed = 0
         self.state = BreakerState.CLOSED
         self._next_probe = 0.0
         self.opened_count = 0
 
     def _trim(self, now: float) -> None:
+        """Drop the buckets whose every outcome is older than the window."""
         horizon = now - self.settings.window_seconds
-        while self._outcomes and self._outcomes[0][0] < horizon:
-            self._outcomes.popleft()
+        while self._buckets and (self._buckets[0][0] + 1) * self._resolution <= horizon:
+            _, attempts, failed = self._buckets.popleft()
+            self._attempts -= attempts
+            self._failed -= failed
+
+    def _clear(self) -> None:
+        self._buckets.clear()
+        self._attempts = self._failed = 0
 
     def record(self, transient_failure: bool) -> BreakerState:
         """Record an attempt's outcome; returns the state after it."""
@@ -62,14 +76,24 @@ class CircuitBreaker:
                     self._open(now)
                 else:
                     self.state = BreakerState.CLOSED
-                    self._outcomes.clear()
+                    self._clear()
                 return self.state
-            self._outcomes.append((now, transient_failure))
+            bucket = int(now // self._resolution)
+            if not self._buckets or self._buckets[-1][0] != bucket:
+                self._buckets.append([bucket, 0, 0])
+            last = self._buckets[-1]
+            last[1] += 1
+            self._attempts += 1
+            if transient_failure:
+                last[2] += 1
+                self._failed += 1
             self._trim(now)
-            if self.state is BreakerState.CLOSED and len(self._outcomes) >= self.settings.min_attempts:
-                failed = sum(1 for _, f in self._outcomes if f)
-                if failed / len(self._outcomes) >= self.settings.failure_ratio:
-                    self._open(now)
+            if (
+                self.state is BreakerState.CLOSED
+                and self._attempts >= self.settings.min_attempts
+                and self._failed / self._attempts >= self.settings.failure_ratio
+            ):
+                self._open(now)
             return self.state
 
     def _open(self, now: float) -> None:
