@@ -402,7 +402,10 @@ class _Slot:
                     # Every delivery counted at claim: a message that kept killing its worker ends here.
                     failures.append(self._exhausted(message, policy))
                     continue
-                conn.execute("RELEASE SAVEPOINT m; SAVEPOINT m" if savepoint else "SAVEPOINT m")
+                if savepoint:
+                    _next_savepoint(conn)
+                else:
+                    conn.execute("SAVEPOINT m")  # psycopg begins the batch's transaction
                 savepoint = True
                 in_flight = message
                 metrics.record_start(message, self.worker.clock.now())
@@ -687,6 +690,19 @@ class _Slot:
         except psycopg.Error as error:
             # Still no database: the leases run out and the messages are claimed again.
             log.warning("slot %s could not recover its batch: %s", self.index, error)
+
+
+def _next_savepoint(conn: psycopg.Connection[Any]) -> None:
+    """The next message's savepoint, in the batch's open transaction, sent through libpq directly
+    (``Connection.pgconn``): it runs before every handler, and psycopg's cursor machinery cost more
+    than the command itself. A failure is raised as psycopg would raise it."""
+    result = conn.pgconn.exec_(b"RELEASE SAVEPOINT m; SAVEPOINT m")
+    if result.status != psycopg.pq.ExecStatus.COMMAND_OK:
+        if conn.pgconn.status != psycopg.pq.ConnStatus.OK:
+            raise psycopg.OperationalError(conn.pgconn.error_message.decode(errors="replace"))
+        sqlstate = result.error_field(psycopg.pq.DiagnosticField.SQLSTATE)
+        message = (result.error_message or b"savepoint failed").decode(errors="replace")
+        raise psycopg.errors.lookup(sqlstate.decode())(message) if sqlstate else psycopg.DatabaseError(message)
 
 
 async def _awaitable(value: Any) -> Any:

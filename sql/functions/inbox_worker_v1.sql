@@ -57,13 +57,66 @@ COMMENT ON FUNCTION postbox.inbox_claim_v1(text, text, integer, interval, timest
 -- Mark messages done inside the transaction that holds their handlers' effects: the message leaves
 -- the inbox and the next message of its key becomes head. Returns the ids that were NOT completed
 -- because their claim is no longer ours (the caller must then roll back those effects).
+-- Set-based when every message goes to an arrival-ordered consumer under READ COMMITTED (the usual
+-- case): one statement takes the batch's rows out (locked in the same order as one at a time), one
+-- try-locks their keys and files repairs for those held by someone else, one makes the next
+-- message of each key its head. Otherwise (sequenced consumers track each key's last sequence;
+-- REPEATABLE READ must lock the heads it sees) one message at a time through inbox_finish_v1.
+-- Either way: the same rows deleted, the same heads made, the same repairs filed.
 CREATE OR REPLACE FUNCTION postbox.inbox_complete_v1(p_ids bigint[], p_attempts integer[], p_now timestamptz)
 RETURNS bigint[]
 LANGUAGE plpgsql VOLATILE AS $$
 DECLARE
-    r         record;
-    v_lost    bigint[] := '{}';
+    r           record;
+    v_lost      bigint[] := '{}';
+    v_done      bigint[];
+    v_consumers text[];
+    v_keys      text[];
+    v_woken     text[];
 BEGIN
+    IF current_setting('transaction_isolation') = 'read committed'
+       AND NOT EXISTS (SELECT 1 FROM postbox.inbox i JOIN postbox.consumers c ON c.name = i.consumer
+                        WHERE i.id = ANY(p_ids) AND c.sequence_mode <> 'arrival') THEN
+        -- Fenced: still ours (same attempt, still running); locked in one global order.
+        WITH t AS (
+            SELECT i.id FROM postbox.inbox i
+              JOIN unnest(p_ids, p_attempts) AS u(id, attempt) ON i.id = u.id AND i.attempt = u.attempt
+             WHERE i.state = 'running'
+             ORDER BY hashtext(i.consumer || '/' || i.key), i.id
+               FOR UPDATE OF i),
+        d AS (
+            DELETE FROM postbox.inbox i USING t WHERE i.id = t.id RETURNING i.id, i.consumer, i.key)
+        SELECT array_agg(d.id), array_agg(d.consumer), array_agg(d.key) INTO v_done, v_consumers, v_keys FROM d;
+        v_lost := ARRAY(SELECT u.id FROM unnest(p_ids) AS u(id) WHERE u.id <> ALL(coalesce(v_done, '{}')));
+        IF v_done IS NULL THEN
+            RETURN v_lost;
+        END IF;
+        -- Each key's lock, only ever tried (never waited for): a key held by someone else gets a
+        -- repair, and the next claim makes its head; the others get their next message as head
+        -- now, unless one appeared meanwhile.
+        WITH k AS MATERIALIZED (
+            SELECT x.consumer, x.key, postbox.try_lock_key_v1(1, x.consumer, x.key) AS locked
+              FROM unnest(v_consumers, v_keys) AS x(consumer, key)),
+        repairs AS (
+            INSERT INTO postbox.key_repairs (origin, queue, key)
+            SELECT 'inbox', k.consumer, k.key FROM k WHERE NOT k.locked),
+        heads AS (
+            UPDATE postbox.inbox i SET state = 'ready', available_at = p_now
+              FROM (SELECT n.id
+                      FROM k, LATERAL (SELECT p.id FROM postbox.inbox p
+                                        WHERE p.consumer = k.consumer AND p.key = k.key AND p.state = 'pending'
+                                        ORDER BY p.position, p.id LIMIT 1) n
+                     WHERE k.locked
+                       AND NOT EXISTS (SELECT 1 FROM postbox.inbox h
+                                        WHERE h.consumer = k.consumer AND h.key = k.key AND h.state <> 'pending')) nx
+             WHERE i.id = nx.id
+            RETURNING i.consumer)
+        SELECT array_agg(DISTINCT heads.consumer) INTO v_woken FROM heads;
+        IF v_woken IS NOT NULL AND postbox.notify_enabled_v1() THEN
+            PERFORM pg_notify('postbox_inbox', c) FROM unnest(v_woken) AS c;
+        END IF;
+        RETURN v_lost;
+    END IF;
     FOR r IN
         SELECT u.id, u.attempt, i.consumer, i.key
           FROM unnest(p_ids, p_attempts) AS u(id, attempt)
