@@ -702,7 +702,9 @@ def _next_savepoint(conn: psycopg.Connection[Any]) -> None:
             raise psycopg.OperationalError(conn.pgconn.error_message.decode(errors="replace"))
         sqlstate = result.error_field(psycopg.pq.DiagnosticField.SQLSTATE)
         message = (result.error_message or b"savepoint failed").decode(errors="replace")
-        raise psycopg.errors.lookup(sqlstate.decode())(message) if sqlstate else psycopg.DatabaseError(message)
+        raise (
+            psycopg.errors.lookup(sqlstate.decode())(message) if sqlstate else psycopg.DatabaseError(message)
+        )
 
 
 async def _awaitable(value: Any) -> Any:
