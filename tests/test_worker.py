@@ -339,3 +339,37 @@ def test_a_handler_that_commits_the_workers_transaction_is_dead_lettered(effects
         url, "SELECT last_error FROM postbox.dead_letters WHERE message_id = 'rogue'"
     )
     assert scalar(url, "SELECT count(*) FROM effects WHERE message_id = 'b'") == 1
+
+
+@pytest.mark.parametrize(
+    "isolation", [psycopg.IsolationLevel.READ_COMMITTED, psycopg.IsolationLevel.REPEATABLE_READ]
+)
+def test_complete_takes_out_promotes_and_files_repairs(database, isolation):
+    """inbox_complete_v1 is set-based under READ COMMITTED and one message at a time under
+    REPEATABLE READ; both give the same outcome: done messages leave, each key's next message
+    becomes its head, a key locked by someone else gets a repair instead, and ids that are no
+    longer ours (gone, or claimed again since) come back as lost."""
+    with database.connect() as c, database.connect() as other:
+        for key, ids in {"k1": ["m1", "m2"], "k2": ["m3", "m4"], "k3": ["m5"]}.items():
+            for m in ids:
+                service.receive(c, consumer="c", message_id=m, key=key, payload={})
+        c.commit()
+        claimed = {
+            m: (i, a)
+            for i, m, a in c.execute(
+                "SELECT id, message_id, attempt FROM postbox.inbox_claim_v1('c', 'w', 10, '1 minute', now())"
+            )
+        }
+        c.commit()
+        assert set(claimed) == {"m1", "m3", "m5"}
+        other.execute("SELECT pg_advisory_xact_lock(1349471040 + 1, hashtext('c/k2'))")  # k2's key lock
+        c.isolation_level = isolation
+        ids = [claimed[m][0] for m in ("m1", "m3", "m5")] + [10**9]
+        attempts = [claimed["m1"][1], claimed["m3"][1], claimed["m5"][1] + 1, 1]  # m5: a later attempt's
+        (lost,) = c.execute("SELECT postbox.inbox_complete_v1(%s, %s, now())", (ids, attempts)).fetchone()
+        c.commit()
+        other.rollback()
+        assert sorted(lost) == sorted([claimed["m5"][0], 10**9])
+        states = dict(c.execute("SELECT message_id, state FROM postbox.inbox").fetchall())
+        assert states == {"m2": "ready", "m4": "pending", "m5": "running"}
+        assert c.execute("SELECT queue, key FROM postbox.key_repairs").fetchall() == [("c", "k2")]
