@@ -136,6 +136,13 @@ class Worker:
         )
         self._threads: list[threading.Thread] = []
         self._slots: list[_Slot] = []
+        if settings.batch_size > 60:
+            log.warning(
+                "batch size %s: each message's savepoint stays a subtransaction until the batch commits, "
+                "and PostgreSQL caches 64 per backend (past that every snapshot in the cluster slows down); "
+                "keep it under 64",
+                settings.batch_size,
+            )
         if not any(c == settings.consumer for c in registry.consumers()):
             raise ValueError(f"postbox: the registry has no handler for consumer {settings.consumer!r}")
 
