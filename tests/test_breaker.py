@@ -55,13 +55,19 @@ def test_outcomes_leave_the_window():
     assert b.state is BreakerState.CLOSED  # 2 failures in 10 within the window, not 10 in 18
 
 
-def test_probes_one_message_and_closes_on_success():
-    """Open: one probe after probe_interval; a success closes it and starts a fresh window."""
+def _probing() -> CircuitBreaker:
+    """A breaker opened by 10 transient failures, its probe interval passed, one probe claimed."""
     b, clock = _breaker()
     for _ in range(10):
         b.record(True)
     clock.now += 5
     assert b.claim_limit(50) == 1
+    return b
+
+
+def test_probes_one_message_and_closes_on_success():
+    """Open: one probe after probe_interval; a success closes it and starts a fresh window."""
+    b = _probing()
     assert b.state is BreakerState.HALF_OPEN
     assert b.record(False) is BreakerState.CLOSED
     for _ in range(9):
@@ -69,11 +75,8 @@ def test_probes_one_message_and_closes_on_success():
 
 
 def test_a_failed_probe_opens_it_again():
-    b, clock = _breaker()
-    for _ in range(10):
-        b.record(True)
-    clock.now += 5
-    assert b.claim_limit(50) == 1
+    """A transient failure of the probe opens it again: nothing more is claimed."""
+    b = _probing()
     assert b.record(True) is BreakerState.OPEN
     assert b.claim_limit(50) == 0
 
