@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import importlib
+import logging
+import os
 import signal
 import sys
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
@@ -22,6 +25,7 @@ from service.handlers import Registry
 from service.ops_cli import observability_options, register_ops_commands, serve_metrics, setup_observability
 from service.policy import RetryPolicy
 from service.producer import declare_consumer
+from service.runtime import DatabaseUnreachable, wait_for_database
 from service.settings import mask_url
 from service.sql_handlers import check_function_exists
 from service.worker import Worker, WorkerSettings
@@ -86,6 +90,44 @@ def _stop_on_signals(stop: Callable[[], None], what: str) -> None:
     signal.signal(signal.SIGINT, on_signal)
 
 
+def connect_timeout_option(f: Callable[..., None]) -> Callable[..., None]:
+    """``--connect-timeout``: how long a long-running process waits at start for its database."""
+    return click.option(
+        "--connect-timeout",
+        type=click.FloatRange(min=0),
+        default=None,
+        envvar="POSTBOX_CONNECT_TIMEOUT",
+        help="Seconds to wait at start for an unreachable database, retrying with backoff, before "
+        "giving up (default: wait as long as it takes). [env: POSTBOX_CONNECT_TIMEOUT]",
+    )(f)
+
+
+def await_database(
+    url: str, what: str, timeout: float | None, stopping: threading.Event | None = None
+) -> None:
+    """Wait for the database before a long-running process starts; SIGTERM/SIGINT meanwhile exit 0."""
+    early = stopping or threading.Event()
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+
+    def on_signal(signum: int, frame: object) -> None:
+        early.set()
+
+    if stopping is None:
+        for sig in previous:
+            signal.signal(sig, on_signal)
+    try:
+        reached = wait_for_database(url, what=what, timeout=timeout, stopping=early)
+    except DatabaseUnreachable as error:
+        raise click.ClickException(f"{what}: cannot reach the database: {error}") from None
+    finally:
+        if stopping is None:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+    if not reached:
+        click.echo(f"postbox: {what} stopped while waiting for the database", err=True)
+        sys.exit(0)
+
+
 def _load_registry(app: str) -> Registry:
     module_name, _, attr = app.partition(":")
     if not module_name or not attr:
@@ -126,6 +168,14 @@ def _load_registry(app: str) -> Registry:
     type=click.FloatRange(min=0.01),
     help="Seconds a claim is held before another worker may take it (default: timeout x batch + 30).",
 )
+@click.option(
+    "--max-stuck-handlers",
+    default=None,
+    type=click.IntRange(min=0),
+    help="Handler threads left running past their time limit before the process exits with status 70 "
+    "for its supervisor to restart it (default: --concurrency).",
+)
+@connect_timeout_option
 @click.pass_context
 def worker(
     ctx: click.Context,
@@ -140,11 +190,15 @@ def worker(
     heartbeat_interval: float,
     stale_after: float,
     lease: float | None,
+    max_stuck_handlers: int | None,
+    connect_timeout: float | None,
 ) -> None:
     """Process the inbox of CONSUMER with the handlers of APP until SIGTERM or SIGINT.
 
-    The first signal stops claiming and lets in-flight messages finish (up to --grace-period);
-    a second one aborts at once, giving unfinished messages back.
+    The first signal stops claiming and lets in-flight messages finish (up to --grace-period; then
+    what still runs is given back and the process exits); a second one exits at once, giving
+    unfinished messages back. A handler past its time limit fails its attempt; if it does not
+    return, its slot is replaced (see --max-stuck-handlers).
     """
     settings_ = _settings(ctx)
     policies = load_policies(ctx.ensure_object(dict).get("config") or settings_.config).model_copy(
@@ -162,6 +216,42 @@ def worker(
     registry = apply_policies(registry, policies)
     check_retention(policies, registry, RetryPolicy())
     url = _url(ctx)
+    try:
+        settings = WorkerSettings(
+            consumer=consumer,
+            concurrency=concurrency,
+            batch_size=batch_size,
+            poll_interval=poll_interval,
+            listen=listen,
+            handler_timeout=handler_timeout,
+            grace_period=grace_period,
+            heartbeat_interval=heartbeat_interval,
+            stale_after=stale_after,
+            lease=lease,
+            max_stuck_handlers=max_stuck_handlers,
+            retry=consumer_policy.retry_policy() if consumer_policy else RetryPolicy(),
+            breaker=consumer_policy.breaker if consumer_policy else BreakerSettings(),
+        )
+        w = Worker(url, registry, settings)
+    except ValueError as error:
+        raise click.ClickException(str(error)) from None
+    serve_metrics(ctx, _settings(ctx), url, w.ready)
+    stopping = threading.Event()
+    signals = {"count": 0}
+
+    def on_signal(signum: int, frame: object) -> None:
+        signals["count"] += 1
+        stopping.set()
+        if signals["count"] == 1:
+            click.echo(f"postbox: stopping (signal {signum}); in-flight messages finish", err=True)
+            w.stop()
+        else:
+            click.echo("postbox: aborting", err=True)
+            w.abort()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    await_database(url, "worker", connect_timeout, stopping)
     if consumer_policy is not None:
         with psycopg.connect(url) as conn:
             declare_consumer(
@@ -178,39 +268,14 @@ def worker(
         with psycopg.connect(url) as conn:
             for function in sql_functions(policies, consumer):
                 check_function_exists(conn, function)
-    try:
-        settings = WorkerSettings(
-            consumer=consumer,
-            concurrency=concurrency,
-            batch_size=batch_size,
-            poll_interval=poll_interval,
-            listen=listen,
-            handler_timeout=handler_timeout,
-            grace_period=grace_period,
-            heartbeat_interval=heartbeat_interval,
-            stale_after=stale_after,
-            lease=lease,
-            retry=consumer_policy.retry_policy() if consumer_policy else RetryPolicy(),
-            breaker=consumer_policy.breaker if consumer_policy else BreakerSettings(),
-        )
-        w = Worker(url, registry, settings)
-    except ValueError as error:
-        raise click.ClickException(str(error)) from None
-    serve_metrics(ctx, _settings(ctx), url, w.ready)
-    signals = {"count": 0}
-
-    def on_signal(signum: int, frame: object) -> None:
-        signals["count"] += 1
-        if signals["count"] == 1:
-            click.echo(f"postbox: stopping (signal {signum}); in-flight messages finish", err=True)
-            w.stop()
-        else:
-            click.echo("postbox: aborting", err=True)
-            w.abort()
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
     w.run()
+    if w.fatal is not None:
+        click.echo(f"postbox: {w.fatal}", err=True)
+    if w.fatal is not None or w.stuck_threads:
+        # Handler threads may still be stuck in user code: do not wait for them.
+        logging.shutdown()
+        sys.stderr.flush()
+        os._exit(70 if w.fatal is not None else 0)
 
 
 @cli.command()
@@ -230,6 +295,7 @@ def worker(
 @click.option("--heartbeat-interval", default=5.0, show_default=True, type=click.FloatRange(min=0.01))
 @click.option("--stale-after", default=30.0, show_default=True, type=click.FloatRange(min=0.02))
 @click.option("--grace-period", default=30.0, show_default=True, type=click.FloatRange(min=0))
+@connect_timeout_option
 @click.pass_context
 def relay(
     ctx: click.Context,
@@ -242,6 +308,7 @@ def relay(
     heartbeat_interval: float,
     stale_after: float,
     grace_period: float,
+    connect_timeout: float | None,
 ) -> None:
     """Publish committed outbox rows to their destinations, per key in order, until SIGTERM/SIGINT."""
     from service.config import build_transports
@@ -250,6 +317,7 @@ def relay(
     settings_ = _settings(ctx)
     policies = load_policies(ctx.ensure_object(dict).get("config") or settings_.config)
     url = _url(ctx)
+    await_database(url, "relay", connect_timeout)
     transports = build_transports(policies, list(destinations), url)
     retry = {name: policies.destinations[name].retry_policy() for name in transports}
     on_dead = {name: policies.destinations[name].on_dead_letter for name in transports}
@@ -280,12 +348,21 @@ def relay(
 )
 @click.option("--consumer", required=True, help="The inbox consumer the messages are received for.")
 @click.option("--batch-size", default=100, show_default=True, type=click.IntRange(1, 10_000))
+@connect_timeout_option
 @click.pass_context
-def bridge(ctx: click.Context, source_url: str, name: str, consumer: str, batch_size: int) -> None:
+def bridge(
+    ctx: click.Context,
+    source_url: str,
+    name: str,
+    consumer: str,
+    batch_size: int,
+    connect_timeout: float | None,
+) -> None:
     """Consume from a broker into the inbox: insert, commit, then acknowledge."""
     from service.bridge import Bridge, source_for
 
     url = _url(ctx)
+    await_database(url, "bridge", connect_timeout)
     try:
         source = source_for(source_url, name)
     except ValueError as error:

@@ -47,6 +47,7 @@ class Message(BaseModel):
     attempt: int
     first_failed_at: datetime | None = None
     last_error: str | None = None
+    last_error_type: str | None = None
 
 
 HandlerFunc = Callable[[Message, "Context"], Any | Awaitable[Any]]

@@ -17,7 +17,7 @@ import psycopg
 from service.clock import Clock
 from service.db import query
 
-__all__ = ["Presence", "Wakeup", "process_id"]
+__all__ = ["DatabaseUnreachable", "Presence", "Wakeup", "process_id", "wait_for_database"]
 
 log = logging.getLogger("postbox.runtime")
 
@@ -27,6 +27,68 @@ def process_id() -> str:
     import uuid
 
     return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+
+
+class DatabaseUnreachable(Exception):
+    """The database could not be reached within the connect timeout."""
+
+
+def wait_for_database(
+    url: str,
+    *,
+    what: str,
+    timeout: float | None = None,
+    stopping: threading.Event | None = None,
+    rng: random.Random | None = None,
+) -> bool:
+    """Wait until the database answers, retrying with jittered backoff (0.5 s doubling up to 10 s)
+    and logging each failed try: a process started while its database is down or still starting
+    waits for it instead of exiting. Returns False if ``stopping`` was set meanwhile; raises
+    :class:`DatabaseUnreachable` once ``timeout`` seconds (None: no limit) have passed."""
+    from service.settings import mask_url
+
+    rng = rng or random.Random()
+    started = time.monotonic()
+    backoff = 0.5
+    tries = 0
+    while True:
+        tries += 1
+        try:
+            with psycopg.connect(url, autocommit=True, connect_timeout=5) as conn:
+                conn.execute("SELECT 1")
+            if tries > 1:
+                log.info(
+                    "database reachable after %s tries; %s starting",
+                    tries,
+                    what,
+                    extra={"event": "database_reachable", "tries": tries},
+                )
+            return True
+        except psycopg.OperationalError as error:
+            detail = (str(error).strip().splitlines() or [type(error).__name__])[0]
+            waited = time.monotonic() - started
+            if timeout is not None and waited >= timeout:
+                raise DatabaseUnreachable(
+                    f"gave up after {waited:.0f} s and {tries} tries (--connect-timeout {timeout:g}): {detail}"
+                ) from None
+            pause = backoff + rng.uniform(0, backoff / 2)
+            if timeout is not None:
+                pause = min(pause, max(0.0, timeout - waited))
+            log.warning(
+                "%s: cannot reach the database %s (try %s): %s; retrying in %.1f s",
+                what,
+                mask_url(url),
+                tries,
+                detail,
+                pause,
+                extra={"event": "database_unreachable", "tries": tries},
+            )
+            backoff = min(backoff * 2, 10.0)
+            if stopping is not None:
+                if stopping.wait(pause):
+                    return False
+            else:
+                time.sleep(pause)
 
 
 def _version() -> str:

@@ -142,7 +142,14 @@ def test_poison_message_that_kills_its_worker_ends_dead_lettered(chk_db):
     dl = scalar(
         url, "SELECT row(message_id, reason, attempt, last_error_type)::text FROM postbox.dead_letters"
     )
-    assert dl == "(poison,attempts_exhausted,4,LeaseExpired)"
+    # Three real attempts, counted once each: the claim that found the limit passed invents none.
+    assert dl == "(poison,attempts_exhausted,3,LeaseExpired)"
+    history = scalar(
+        url,
+        "SELECT string_agg(concat_ws(':', attempt, kind, decision), ',' ORDER BY attempt) "
+        "FROM postbox.attempts WHERE message_id = 'poison'",
+    )
+    assert history == "1:lease_expired:retry,2:lease_expired:retry,3:lease_expired:dead_letter"
     assert pool.restarts >= 3
     assert scalar(url, "SELECT string_agg(message_id, ',' ORDER BY id) FROM effects") == "p-0,p-2"
 

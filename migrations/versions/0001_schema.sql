@@ -152,7 +152,7 @@ CREATE TABLE postbox.dead_letters (
     last_traceback    text,
     reason            text NOT NULL
                       CHECK (reason IN ('attempts_exhausted', 'deadline', 'permanent', 'unknown_outcome',
-                                        'late', 'gap', 'manual')),
+                                        'handler_ended_transaction', 'late', 'gap', 'manual')),
     fingerprint       text,
     ordering_policy   text NOT NULL CHECK (ordering_policy IN ('block', 'skip', 'halt')),
     status            text NOT NULL DEFAULT 'open'
@@ -171,7 +171,7 @@ CREATE INDEX dead_letters_open_idx ON postbox.dead_letters (consumer, type, dead
 CREATE INDEX dead_letters_message_idx ON postbox.dead_letters (message_id);
 COMMENT ON TABLE postbox.dead_letters IS 'Messages that will not be retried automatically: attempts or time exhausted, permanent failures, unknown outcomes of non-idempotent handlers, late sequences. One table for inbox and outbox.';
 COMMENT ON COLUMN postbox.dead_letters.origin_id IS 'postbox.inbox.id or postbox.outbox.id of the message (a blocked key keeps that row, in state blocked).';
-COMMENT ON COLUMN postbox.dead_letters.reason IS 'Why it was dead-lettered: attempts_exhausted, deadline, permanent, unknown_outcome, late, gap, manual.';
+COMMENT ON COLUMN postbox.dead_letters.reason IS 'Why it was dead-lettered: attempts_exhausted, deadline, permanent, unknown_outcome, handler_ended_transaction (its handler committed or rolled back the worker''s transaction), late, gap, manual.';
 COMMENT ON COLUMN postbox.dead_letters.fingerprint IS 'Error group: error type plus the normalised message; group by it to see causes.';
 COMMENT ON COLUMN postbox.dead_letters.ordering_policy IS 'Policy applied to the key when it was dead-lettered: block, skip or halt.';
 COMMENT ON COLUMN postbox.dead_letters.status IS 'open; replaying (sent back, outcome pending); replayed (the replay succeeded); replay_failed (the replay was dead-lettered again: see the dead letter whose replay_of is this id); discarded or resolved (by an operator, with a reason).';
@@ -202,7 +202,7 @@ CREATE TABLE postbox.attempts (
     worker         text,
     failed_at      timestamptz NOT NULL,
     duration_ms    double precision,
-    kind           text NOT NULL CHECK (kind IN ('transient', 'permanent', 'unknown', 'lease_expired')),
+    kind           text NOT NULL CHECK (kind IN ('transient', 'permanent', 'unknown', 'lease_expired', 'timeout')),
     error_type     text,
     error          text,
     traceback      text,
@@ -215,7 +215,7 @@ CREATE INDEX attempts_message_idx ON postbox.attempts (message_id);
 CREATE INDEX attempts_failed_at_brin ON postbox.attempts USING brin (failed_at);
 COMMENT ON TABLE postbox.attempts IS 'Every failed attempt: what failed, how it was classified, and what was decided (retry when, or dead-letter why). Successful attempts leave no row.';
 COMMENT ON COLUMN postbox.attempts.queue IS 'The consumer (inbox) or destination (outbox).';
-COMMENT ON COLUMN postbox.attempts.kind IS 'transient, permanent, unknown (outcome unknown), or lease_expired (the worker died or stalled mid-attempt).';
+COMMENT ON COLUMN postbox.attempts.kind IS 'transient, permanent, unknown (outcome unknown), timeout (the handler ran past its time limit), or lease_expired (the worker died or stalled mid-attempt).';
 COMMENT ON COLUMN postbox.attempts.explanation IS 'The decision in words, e.g. "transient, attempt 3 of 5, next in 1.6 s".';
 
 CREATE TABLE postbox.workers (

@@ -257,6 +257,43 @@ $$;
 COMMENT ON FUNCTION postbox.inbox_dead_letter_v1(bigint, integer, timestamptz, text, text, text, text, text, text, text, text, double precision, text)
     IS 'Worker: dead-letter a claimed message and apply the ordering policy (block, skip, halt).';
 
+-- A claim that found a message past its policy's max_attempts: dead-letter it as of its last real
+-- attempt, without inventing one. Every delivery is counted at claim, so a message whose handler
+-- kept killing its worker arrives here one delivery past the limit: that delivery is taken back
+-- (no handler ran), and the last attempt's record (its lease expiry, or a failure decided under a
+-- looser policy) becomes the one that dead-letters it, keeping its error.
+-- Returns the dead letter's id, or NULL if the claim is no longer ours.
+CREATE OR REPLACE FUNCTION postbox.inbox_exhaust_v1(
+    p_id bigint, p_attempt integer, p_now timestamptz, p_max_attempts integer, p_fingerprint text,
+    p_policy text DEFAULT NULL, p_worker text DEFAULT NULL)
+RETURNS bigint
+LANGUAGE plpgsql VOLATILE AS $$
+DECLARE
+    v_last integer := p_attempt - 1;
+    v_old  record;
+BEGIN
+    UPDATE postbox.inbox SET attempt = v_last
+     WHERE id = p_id AND attempt = p_attempt AND state = 'running';
+    IF NOT FOUND THEN
+        RETURN NULL;
+    END IF;
+    WITH gone AS (
+        DELETE FROM postbox.attempts
+         WHERE origin = 'inbox' AND origin_id = p_id AND attempt = v_last AND decision = 'retry'
+        RETURNING kind, error_type, error, traceback, worker, duration_ms)
+    SELECT * INTO v_old FROM gone LIMIT 1;
+    RETURN postbox.inbox_dead_letter_v1(
+        p_id, v_last, p_now, 'attempts_exhausted',
+        coalesce(v_old.error, (SELECT last_error FROM postbox.inbox WHERE id = p_id), 'no error recorded'),
+        coalesce(v_old.error_type, (SELECT last_error_type FROM postbox.inbox WHERE id = p_id)),
+        v_old.traceback, p_fingerprint, p_policy, coalesce(v_old.kind, 'transient'),
+        coalesce(v_old.worker, p_worker), v_old.duration_ms,
+        format('attempt %s of %s was the last', v_last, p_max_attempts));
+END
+$$;
+COMMENT ON FUNCTION postbox.inbox_exhaust_v1(bigint, integer, timestamptz, integer, text, text, text)
+    IS 'Worker: dead-letter a claimed message already past max_attempts, as of its last real attempt.';
+
 -- Give claimed messages back without counting the attempt (shutdown, or a batch that could not run).
 CREATE OR REPLACE FUNCTION postbox.inbox_release_v1(p_ids bigint[], p_attempts integer[], p_now timestamptz)
 RETURNS integer

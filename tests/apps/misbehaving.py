@@ -1,0 +1,111 @@
+"""Handlers that misbehave on purpose, for the handler-isolation tests and the chaos suite.
+
+Every handler first records its effect (tests.helpers.record_effect), then does what the
+payload's ``do`` says. ``only_attempt`` limits the misbehaviour to one attempt (later attempts
+just succeed). ``marker``: a file written when the handler's code finally ends, saying whether
+its late write reached the database ("wrote") or was refused ("refused: ...").
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import psycopg
+
+from service.handlers import Context, Message, Registry
+from tests.helpers import record_effect
+
+CONSUMER = "mis"
+
+registry = Registry()
+
+
+def _misbehave(message: Message, ctx: Context) -> None:
+    p: dict[str, Any] = message.payload if isinstance(message.payload, dict) else {}
+    do = p.get("do", "ok")
+    only = p.get("only_attempt")
+    if only is not None and message.attempt != only:
+        do = "ok"
+    if do == "crash":  # kills its worker before any effect
+        os._exit(17)
+    record_effect(ctx.conn, message.message_id, message.key, message.sequence, message.attempt)
+    match do:
+        case "ok":
+            return
+        case "rollback_execute":
+            ctx.conn.rollback()
+            ctx.conn.execute("SELECT 1")
+        case "commit_execute":
+            ctx.conn.commit()
+            ctx.conn.execute("SELECT 1")
+        case "commit":
+            ctx.conn.commit()
+        case "close":
+            ctx.conn.close()
+        case "autocommit":
+            ctx.conn.autocommit = True
+        case "swallow_commit":  # refused, but the handler hides the refusal and returns
+            try:
+                ctx.conn.commit()
+            except Exception:  # noqa: S110 - the misbehaviour under test
+                pass
+        case "sql_commit_execute":
+            ctx.conn.execute("COMMIT")
+            ctx.conn.execute("SELECT 1")
+        case "sql_rollback_execute":
+            ctx.conn.execute("ROLLBACK")
+            ctx.conn.execute("SELECT 1")
+        case "sql_commit":
+            ctx.conn.execute("COMMIT")
+        case "swallow_error":
+            try:
+                ctx.conn.execute("SELECT 1 / 0")
+            except psycopg.Error:
+                pass
+        case "exit":
+            raise SystemExit(3)
+        case "keyboard_interrupt":
+            raise KeyboardInterrupt
+        case "sleep":
+            time.sleep(float(p.get("seconds", 3600)))
+            _late_write(ctx, message, p)
+        case "spin":  # pure Python holding the GIL between bytecodes
+            end = time.monotonic() + float(p.get("seconds", 3600))
+            while time.monotonic() < end:
+                pass
+            _late_write(ctx, message, p)
+        case _:
+            raise ValueError(f"unknown misbehaviour {do!r}")
+
+
+def _late_write(ctx: Context, message: Message, p: dict[str, Any]) -> None:
+    """After a stall: try to write again (must be refused once the slot was abandoned)."""
+    try:
+        ctx.conn.execute(
+            "INSERT INTO effects (message_id, key, sequence, attempt) VALUES (%s, %s, %s, %s)",
+            (message.message_id + ":late", message.key, message.sequence, message.attempt),
+        )
+        outcome = "wrote"
+    except Exception as error:
+        outcome = f"refused: {error}"
+    if p.get("marker"):
+        Path(p["marker"]).write_text(outcome, encoding="utf-8")
+
+
+@registry.handler(CONSUMER)
+def handle(message: Message, ctx: Context) -> None:
+    _misbehave(message, ctx)
+
+
+@registry.handler(CONSUMER, "async")
+async def handle_async(message: Message, ctx: Context) -> None:
+    p: dict[str, Any] = message.payload if isinstance(message.payload, dict) else {}
+    if p.get("do") == "await_sleep" and p.get("only_attempt", message.attempt) == message.attempt:
+        record_effect(ctx.conn, message.message_id, message.key, message.sequence, message.attempt)
+        await asyncio.sleep(float(p.get("seconds", 3600)))
+        return
+    _misbehave(message, ctx)  # blocking calls inside an async handler block its event loop

@@ -1,0 +1,269 @@
+"""A misbehaving handler harms only its own message: real `postbox worker` processes running the
+handlers of tests/apps/misbehaving.py (one slot, batches of 10, a 1 s time limit), checked for
+nothing lost, no duplicate effect, and other keys not held."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import psycopg
+import pytest
+
+import service
+from tests.helpers import EFFECTS_DDL, eventually, scalar, spawn_postbox
+from tests.proxy import Proxy
+
+TIMEOUT = 1.0
+# What a key may wait past a stuck handler's time limit: the cancel, ABANDON_AFTER, the new slot.
+HELD_BOUND = 4.0
+
+
+@pytest.fixture
+def db(database):
+    with database.connect(autocommit=True) as c:
+        c.execute(EFFECTS_DDL)
+    return database
+
+
+def spawn(url: str, *args: str, log: Path | None = None) -> subprocess.Popen[bytes]:
+    out = open(log, "wb") if log is not None else None  # noqa: SIM115 - the child keeps it
+    try:
+        return spawn_postbox(
+            "--database-url", url, "worker", "--consumer", "mis", "--app", "tests.apps.misbehaving:registry",
+            "--concurrency", "1", "--batch-size", "10", "--handler-timeout", str(TIMEOUT),
+            "--heartbeat-interval", "0.3", "--stale-after", "1.5", "--poll-interval", "0.05",
+            *args,
+            stderr=out.fileno() if out is not None else subprocess.DEVNULL,
+        )  # fmt: skip
+    finally:
+        if out is not None:
+            out.close()
+
+
+def produce(url: str, *messages: tuple[str, dict]) -> None:
+    """One transaction, so that a worker started afterwards claims them as one batch; each message
+    on its own key (its id)."""
+    with psycopg.connect(url) as c:
+        service.receive_many(
+            c,
+            [
+                {"consumer": "mis", "message_id": mid, "key": mid, "payload": payload,
+                 **({"type": payload["type"]} if "type" in payload else {})}
+                for mid, payload in messages
+            ],
+        )  # fmt: skip
+        c.commit()
+
+
+def stop(p: subprocess.Popen[bytes]) -> int:
+    if p.poll() is None:
+        p.send_signal(signal.SIGTERM)
+    return p.wait(20)
+
+
+def live(url: str) -> int:
+    return scalar(url, "SELECT count(*) FROM postbox.inbox WHERE state <> 'blocked'")  # type: ignore[return-value]
+
+
+def effects(url: str) -> dict[str, list[int]]:
+    with psycopg.connect(url) as c:
+        rows = c.execute("SELECT message_id, attempt FROM effects ORDER BY id").fetchall()
+    out: dict[str, list[int]] = {}
+    for mid, attempt in rows:
+        out.setdefault(mid, []).append(attempt)
+    return out
+
+
+def dead(url: str) -> dict[str, tuple[str, int]]:
+    with psycopg.connect(url) as c:
+        rows = c.execute("SELECT message_id, reason, attempt FROM postbox.dead_letters").fetchall()
+    return {mid: (reason, attempt) for mid, reason, attempt in rows}
+
+
+def attempts(url: str, message_id: str) -> list[tuple[int, str, str, str]]:
+    with psycopg.connect(url) as c:
+        return c.execute(
+            "SELECT attempt, kind, error_type, decision FROM postbox.attempts WHERE message_id = %s ORDER BY id",
+            (message_id,),
+        ).fetchall()
+
+
+@pytest.mark.parametrize(
+    "misbehaviour",
+    ["rollback_execute", "commit_execute", "commit", "close", "autocommit", "swallow_commit"],
+)
+def test_a_handler_that_tries_to_end_the_transaction_harms_only_its_own_message(db, misbehaviour):
+    """ctx.conn refuses commit, rollback, close and reconfiguration while a handler runs: the
+    culprit is dead-lettered at attempt 1 with nothing of it committed, and every other message of
+    its batch (before and after it) commits its effect exactly once."""
+    produce(db.url, ("a", {}), ("b", {}), ("bad", {"do": misbehaviour}), ("c", {}))
+    p = spawn(db.url)
+    try:
+        eventually(lambda: live(db.url) == 0, what="batch settled")
+    finally:
+        assert stop(p) == 0
+    assert effects(db.url) == {"a": [1], "b": [1], "c": [1]}
+    assert dead(db.url) == {"bad": ("handler_ended_transaction", 1)}
+    assert attempts(db.url, "bad") == [(1, "permanent", "HandlerEndedTransaction", "dead_letter")]
+    assert "must leave the transaction to the worker" in scalar(
+        db.url, "SELECT last_error FROM postbox.dead_letters WHERE message_id = 'bad'"
+    )
+
+
+@pytest.mark.parametrize(
+    ("misbehaviour", "committed"),
+    [("sql_commit_execute", True), ("sql_commit", True), ("sql_rollback_execute", False)],
+)
+def test_a_handler_that_ends_the_transaction_with_sql_is_settled_by_what_happened(db, misbehaviour, committed):
+    """COMMIT or ROLLBACK sent as SQL cannot be refused beforehand. The worker detects it right after
+    the handler: a COMMIT made the earlier messages' effects durable, so they are marked done at
+    once (never run again); a ROLLBACK undid them, so they run again with their attempt intact.
+    The culprit is dead-lettered; no effect is ever duplicated."""
+    produce(db.url, ("a", {}), ("b", {}), ("bad", {"do": misbehaviour}), ("c", {}))
+    p = spawn(db.url)
+    try:
+        eventually(lambda: live(db.url) == 0, what="batch settled")
+    finally:
+        assert stop(p) == 0
+    got = effects(db.url)
+    assert {k: got[k] for k in ("a", "b", "c")} == {"a": [1], "b": [1], "c": [1]}
+    assert got.get("bad", []) == ([1] if committed else [])  # its own effect went with its COMMIT
+    assert dead(db.url) == {"bad": ("handler_ended_transaction", 1)}
+    assert scalar(db.url, "SELECT count(*) FROM postbox.attempts WHERE message_id <> 'bad'") == 0
+
+
+def test_a_handler_that_swallows_a_database_error_fails_its_attempt_only(db):
+    """A handler that catches a database error and returns leaves its transaction failed: its
+    attempt fails (and is retried), the batch's other messages are unaffected."""
+    produce(db.url, ("a", {}), ("bad", {"do": "swallow_error", "only_attempt": 1}), ("c", {}))
+    p = spawn(db.url)
+    try:
+        eventually(lambda: live(db.url) == 0, what="batch settled")
+    finally:
+        assert stop(p) == 0
+    assert effects(db.url) == {"a": [1], "bad": [2], "c": [1]}
+    assert attempts(db.url, "bad") == [(1, "transient", "HandlerLeftTransactionInError", "retry")]
+
+
+@pytest.mark.parametrize(
+    ("misbehaviour", "kind"),
+    [("sleep", "sync"), ("spin", "sync"), ("sleep", "async"), ("await_sleep", "async")],
+)
+def test_a_handler_past_its_time_limit_holds_no_other_key_and_can_no_longer_write(
+    db, tmp_path, misbehaviour, kind
+):
+    """A handler stuck in Python (sleeping, spinning, or blocking an async handler's loop) past its
+    time limit: the attempt ends as `timeout`, the other key of its batch moves on within seconds
+    (not after the lease), and the stuck code's late write is refused. The next attempt succeeds."""
+    marker = tmp_path / "late"
+    slow = {"do": misbehaviour, "seconds": 4, "only_attempt": 1, "marker": str(marker)}
+    if kind == "async":
+        slow["type"] = "async"
+    produce(db.url, ("slow", slow), ("other", {}))
+    started = time.monotonic()
+    p = spawn(db.url)
+    try:
+        eventually(lambda: "other" in effects(db.url), timeout=30, what="the other key moved on")
+        waited = time.monotonic() - started
+        eventually(lambda: live(db.url) == 0, what="slow retried")
+        if misbehaviour != "await_sleep":  # a cancelled coroutine never reaches its late write
+            eventually(marker.exists, timeout=15, what="the stuck code ended")
+            assert marker.read_text().startswith("refused")
+        assert p.poll() is None  # the worker goes on
+    finally:
+        assert stop(p) == 0
+    assert waited < 2.0 + TIMEOUT + HELD_BOUND  # process start included; the lease is 30 s + 10 x 1 s
+    assert effects(db.url) == {"other": [1], "slow": [2]}
+    assert attempts(db.url, "slow")[0][:3] == (1, "timeout", "HandlerTimeout")
+
+
+def test_sigterm_stops_within_the_grace_period_whatever_the_handler_does(db):
+    """SIGTERM while a handler sleeps for an hour, with --grace-period 1: the process exits within
+    the grace period plus a moment, the attempt is counted and the message given back (claimable
+    again at once), and the worker is unregistered."""
+    produce(db.url, ("slow", {"do": "sleep", "seconds": 3600}))
+    p = spawn(db.url, "--grace-period", "1", "--handler-timeout", "600")
+    eventually(lambda: scalar(db.url, "SELECT state FROM postbox.inbox WHERE message_id = 'slow'") == "running")
+    t0 = time.monotonic()
+    p.send_signal(signal.SIGTERM)
+    assert p.wait(10) == 0
+    assert time.monotonic() - t0 < 1.0 + 3.0
+    assert scalar(db.url, "SELECT row(state, attempt)::text FROM postbox.inbox WHERE message_id = 'slow'") == "(ready,1)"
+    assert [a[:3] for a in attempts(db.url, "slow")] == [(1, "transient", "WorkerShutdown")]
+    assert scalar(db.url, "SELECT count(*) FROM postbox.workers") == 0
+
+
+def test_a_second_signal_exits_at_once(db):
+    """With a long grace period, a second SIGTERM exits at once; the running message is given back."""
+    produce(db.url, ("slow", {"do": "sleep", "seconds": 3600}))
+    p = spawn(db.url, "--grace-period", "60", "--handler-timeout", "600")
+    eventually(lambda: scalar(db.url, "SELECT state FROM postbox.inbox WHERE message_id = 'slow'") == "running")
+    p.send_signal(signal.SIGTERM)
+    time.sleep(0.3)  # two distinct signals, not one coalesced
+    t0 = time.monotonic()
+    p.send_signal(signal.SIGTERM)
+    assert p.wait(10) == 0
+    assert time.monotonic() - t0 < 3.0
+    assert scalar(db.url, "SELECT state FROM postbox.inbox WHERE message_id = 'slow'") == "ready"
+
+
+def test_too_many_stuck_handlers_stop_the_process_for_its_supervisor(db):
+    """Past --max-stuck-handlers abandoned threads the process exits with status 70 (for its
+    supervisor to start a fresh one), after settling what it held."""
+    produce(db.url, ("slow", {"do": "sleep", "seconds": 3600}), ("other", {}))
+    p = spawn(db.url, "--max-stuck-handlers", "0")
+    assert p.wait(30) == 70
+    assert scalar(db.url, "SELECT state FROM postbox.inbox WHERE message_id = 'slow'") == "ready"
+    assert attempts(db.url, "slow")[0][:3] == (1, "timeout", "HandlerTimeout")
+    assert scalar(db.url, "SELECT count(*) FROM postbox.inbox WHERE state = 'running'") == 0
+
+
+@pytest.mark.parametrize("misbehaviour", ["exit", "keyboard_interrupt"])
+def test_a_base_exception_in_a_handler_fails_its_attempt_and_the_slot_goes_on(db, misbehaviour):
+    """SystemExit or KeyboardInterrupt raised by a handler is recorded as that attempt's failure;
+    the slot keeps working (no zombie): later messages on other keys are processed."""
+    produce(db.url, ("bad", {"do": misbehaviour, "only_attempt": 1}), ("a", {}))
+    p = spawn(db.url)
+    try:
+        eventually(lambda: live(db.url) == 0, what="batch settled")
+        produce(db.url, ("later", {}))
+        eventually(lambda: "later" in effects(db.url), what="a later message processed")
+        assert p.poll() is None
+        assert scalar(db.url, "SELECT count(*) FROM postbox.live_workers") == 1
+    finally:
+        assert stop(p) == 0
+    expected_type = "SystemExit" if misbehaviour == "exit" else "KeyboardInterrupt"
+    assert [a[:3] for a in attempts(db.url, "bad")] == [(1, "transient", expected_type)]
+    assert effects(db.url) == {"bad": [2], "a": [1], "later": [1]}
+
+
+def test_a_worker_started_while_the_database_is_down_waits_for_it(db, tmp_path):
+    """Started while its database refuses connections, the worker logs each try and waits; once the
+    database answers it starts and processes messages."""
+    proxy = Proxy("127.0.0.1", 5432)
+    proxy.down()
+    url = db.url.replace(":5432/", f":{proxy.port}/")
+    log = tmp_path / "worker.log"
+    p = spawn(url, log=log)
+    try:
+        eventually(lambda: log.read_text().count("cannot reach the database") >= 2, timeout=20)
+        assert p.poll() is None
+        produce(db.url, ("a", {}))
+        proxy.up()
+        eventually(lambda: "a" in effects(db.url), timeout=30, what="processed once reachable")
+    finally:
+        assert stop(p) == 0
+        proxy.down()
+
+
+def test_connect_timeout_gives_up_with_a_clear_error(db, tmp_path):
+    proxy = Proxy("127.0.0.1", 5432)
+    proxy.down()
+    log = tmp_path / "worker.log"
+    p = spawn(db.url.replace(":5432/", f":{proxy.port}/"), "--connect-timeout", "1.5", log=log)
+    assert p.wait(30) == 1
+    text = log.read_text()
+    assert "gave up after" in text and "--connect-timeout" in text and "Traceback" not in text
