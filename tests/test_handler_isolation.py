@@ -92,15 +92,16 @@ def attempts(url: str, message_id: str) -> list[tuple[int, str, str, str]]:
 
 
 @pytest.mark.parametrize(
-    "misbehaviour",
-    ["rollback_execute", "commit_execute", "commit", "close", "autocommit", "swallow_commit"],
-)
-def test_a_handler_that_tries_to_end_the_transaction_harms_only_its_own_message(db, misbehaviour):
+    ("misbehaviour", "batch"),
+    [("rollback_execute", 10), ("commit_execute", 10), ("commit", 10), ("commit", 1), ("close", 10),
+     ("autocommit", 10), ("swallow_commit", 10)],
+)  # fmt: skip
+def test_a_handler_that_tries_to_end_the_transaction_harms_only_its_own_message(db, misbehaviour, batch):
     """ctx.conn refuses commit, rollback, close and reconfiguration while a handler runs: the
     culprit is dead-lettered at attempt 1 with nothing of it committed, and every other message of
     its batch (before and after it) commits its effect exactly once."""
     produce(db.url, ("a", {}), ("b", {}), ("bad", {"do": misbehaviour}), ("c", {}))
-    p = spawn(db.url)
+    p = spawn(db.url, "--batch-size", str(batch))
     try:
         eventually(lambda: live(db.url) == 0, what="batch settled")
     finally:
@@ -117,7 +118,9 @@ def test_a_handler_that_tries_to_end_the_transaction_harms_only_its_own_message(
     ("misbehaviour", "committed"),
     [("sql_commit_execute", True), ("sql_commit", True), ("sql_rollback_execute", False)],
 )
-def test_a_handler_that_ends_the_transaction_with_sql_is_settled_by_what_happened(db, misbehaviour, committed):
+def test_a_handler_that_ends_the_transaction_with_sql_is_settled_by_what_happened(
+    db, misbehaviour, committed
+):
     """COMMIT or ROLLBACK sent as SQL cannot be refused beforehand. The worker detects it right after
     the handler: a COMMIT made the earlier messages' effects durable, so they are marked done at
     once (never run again); a ROLLBACK undid them, so they run again with their attempt intact.
@@ -149,11 +152,12 @@ def test_a_handler_that_swallows_a_database_error_fails_its_attempt_only(db):
 
 
 @pytest.mark.parametrize(
-    ("misbehaviour", "kind"),
-    [("sleep", "sync"), ("spin", "sync"), ("sleep", "async"), ("await_sleep", "async")],
-)
+    ("misbehaviour", "kind", "batch"),
+    [("sleep", "sync", 10), ("sleep", "sync", 1), ("spin", "sync", 10), ("sleep", "async", 10),
+     ("await_sleep", "async", 10)],
+)  # fmt: skip
 def test_a_handler_past_its_time_limit_holds_no_other_key_and_can_no_longer_write(
-    db, tmp_path, misbehaviour, kind
+    db, tmp_path, misbehaviour, kind, batch
 ):
     """A handler stuck in Python (sleeping, spinning, or blocking an async handler's loop) past its
     time limit: the attempt ends as `timeout`, the other key of its batch moves on within seconds
@@ -164,7 +168,7 @@ def test_a_handler_past_its_time_limit_holds_no_other_key_and_can_no_longer_writ
         slow["type"] = "async"
     produce(db.url, ("slow", slow), ("other", {}))
     started = time.monotonic()
-    p = spawn(db.url)
+    p = spawn(db.url, "--batch-size", str(batch))
     try:
         eventually(lambda: "other" in effects(db.url), timeout=30, what="the other key moved on")
         waited = time.monotonic() - started
@@ -186,12 +190,17 @@ def test_sigterm_stops_within_the_grace_period_whatever_the_handler_does(db):
     again at once), and the worker is unregistered."""
     produce(db.url, ("slow", {"do": "sleep", "seconds": 3600}))
     p = spawn(db.url, "--grace-period", "1", "--handler-timeout", "600")
-    eventually(lambda: scalar(db.url, "SELECT state FROM postbox.inbox WHERE message_id = 'slow'") == "running")
+    eventually(
+        lambda: scalar(db.url, "SELECT state FROM postbox.inbox WHERE message_id = 'slow'") == "running"
+    )
     t0 = time.monotonic()
     p.send_signal(signal.SIGTERM)
     assert p.wait(10) == 0
     assert time.monotonic() - t0 < 1.0 + 3.0
-    assert scalar(db.url, "SELECT row(state, attempt)::text FROM postbox.inbox WHERE message_id = 'slow'") == "(ready,1)"
+    assert (
+        scalar(db.url, "SELECT row(state, attempt)::text FROM postbox.inbox WHERE message_id = 'slow'")
+        == "(ready,1)"
+    )
     assert [a[:3] for a in attempts(db.url, "slow")] == [(1, "transient", "WorkerShutdown")]
     assert scalar(db.url, "SELECT count(*) FROM postbox.workers") == 0
 
@@ -200,7 +209,9 @@ def test_a_second_signal_exits_at_once(db):
     """With a long grace period, a second SIGTERM exits at once; the running message is given back."""
     produce(db.url, ("slow", {"do": "sleep", "seconds": 3600}))
     p = spawn(db.url, "--grace-period", "60", "--handler-timeout", "600")
-    eventually(lambda: scalar(db.url, "SELECT state FROM postbox.inbox WHERE message_id = 'slow'") == "running")
+    eventually(
+        lambda: scalar(db.url, "SELECT state FROM postbox.inbox WHERE message_id = 'slow'") == "running"
+    )
     p.send_signal(signal.SIGTERM)
     time.sleep(0.3)  # two distinct signals, not one coalesced
     t0 = time.monotonic()

@@ -9,6 +9,7 @@ its late write reached the database ("wrote") or was refused ("refused: ...").
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import time
 from pathlib import Path
@@ -49,10 +50,8 @@ def _misbehave(message: Message, ctx: Context) -> None:
         case "autocommit":
             ctx.conn.autocommit = True
         case "swallow_commit":  # refused, but the handler hides the refusal and returns
-            try:
+            with contextlib.suppress(Exception):
                 ctx.conn.commit()
-            except Exception:  # noqa: S110 - the misbehaviour under test
-                pass
         case "sql_commit_execute":
             ctx.conn.execute("COMMIT")
             ctx.conn.execute("SELECT 1")
@@ -62,10 +61,8 @@ def _misbehave(message: Message, ctx: Context) -> None:
         case "sql_commit":
             ctx.conn.execute("COMMIT")
         case "swallow_error":
-            try:
+            with contextlib.suppress(psycopg.Error):
                 ctx.conn.execute("SELECT 1 / 0")
-            except psycopg.Error:
-                pass
         case "exit":
             raise SystemExit(3)
         case "keyboard_interrupt":
