@@ -18,6 +18,7 @@ import sqlalchemy.exc
 from service import cli_context
 from service import migrate as migrations
 from service.breaker import BreakerSettings
+from service.cli_context import await_database, connect_timeout_option
 from service.config import apply_policies, check_retention, configured_handlers, load_policies, sql_functions
 from service.deadletter_cli import register as register_deadletter_commands
 from service.errors import ConfigError
@@ -25,7 +26,6 @@ from service.handlers import Registry
 from service.ops_cli import observability_options, register_ops_commands, serve_metrics, setup_observability
 from service.policy import RetryPolicy
 from service.producer import declare_consumer
-from service.runtime import DatabaseUnreachable, wait_for_database
 from service.settings import mask_url
 from service.sql_handlers import check_function_exists
 from service.worker import Worker, WorkerSettings
@@ -88,44 +88,6 @@ def _stop_on_signals(stop: Callable[[], None], what: str) -> None:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-
-
-def connect_timeout_option(f: Callable[..., None]) -> Callable[..., None]:
-    """``--connect-timeout``: how long a long-running process waits at start for its database."""
-    return click.option(
-        "--connect-timeout",
-        type=click.FloatRange(min=0),
-        default=None,
-        envvar="POSTBOX_CONNECT_TIMEOUT",
-        help="Seconds to wait at start for an unreachable database, retrying with backoff, before "
-        "giving up (default: wait as long as it takes). [env: POSTBOX_CONNECT_TIMEOUT]",
-    )(f)
-
-
-def await_database(
-    url: str, what: str, timeout: float | None, stopping: threading.Event | None = None
-) -> None:
-    """Wait for the database before a long-running process starts; SIGTERM/SIGINT meanwhile exit 0."""
-    early = stopping or threading.Event()
-    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
-
-    def on_signal(signum: int, frame: object) -> None:
-        early.set()
-
-    if stopping is None:
-        for sig in previous:
-            signal.signal(sig, on_signal)
-    try:
-        reached = wait_for_database(url, what=what, timeout=timeout, stopping=early)
-    except DatabaseUnreachable as error:
-        raise click.ClickException(f"{what}: cannot reach the database: {error}") from None
-    finally:
-        if stopping is None:
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
-    if not reached:
-        click.echo(f"postbox: {what} stopped while waiting for the database", err=True)
-        sys.exit(0)
 
 
 def _load_registry(app: str) -> Registry:

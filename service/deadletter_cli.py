@@ -24,7 +24,7 @@ import click
 import psycopg
 
 from service import deadletter, replay
-from service.cli_context import database_url
+from service.cli_context import await_database, connect_timeout_option, database_url
 from service.deadletter import DeadLetterFilter
 from service.errors import InvalidRequest
 from service.replay import ReplayJob, ReplayOptions, ReplayRunner
@@ -527,12 +527,15 @@ def replay_status(
 
 @replay_group.command("run")
 @click.option("--poll-interval", default=0.5, show_default=True, type=click.FloatRange(0.01, 60))
+@connect_timeout_option
 @click.pass_context
-def replay_run(ctx: click.Context, poll_interval: float) -> None:
+def replay_run(ctx: click.Context, poll_interval: float, connect_timeout: float | None) -> None:
     """Run replay jobs (every pending or running one) until stopped (SIGTERM/SIGINT)."""
     from service.cli import _stop_on_signals
 
-    runner = ReplayRunner(database_url(ctx), poll_interval=poll_interval, runner_id=f"runner-{os.getpid()}")
+    url = database_url(ctx)
+    await_database(url, "replay runner", connect_timeout)
+    runner = ReplayRunner(url, poll_interval=poll_interval, runner_id=f"runner-{os.getpid()}")
     _stop_on_signals(runner.stop, "replay runner stopping")
     runner.serve()
 

@@ -270,11 +270,28 @@ def test_a_worker_started_while_the_database_is_down_waits_for_it(db, tmp_path):
         proxy.down()
 
 
-def test_connect_timeout_gives_up_with_a_clear_error(db, tmp_path):
+@pytest.mark.parametrize(
+    "command",
+    [
+        ("worker", "--consumer", "mis", "--app", "tests.apps.misbehaving:registry"),
+        ("relay",),
+        ("bridge", "--from", "amqp://guest:guest@127.0.0.1:5672/%2F", "--name", "q", "--consumer", "mis"),
+        ("replay", "run"),
+    ],
+    ids=lambda c: c[0],
+)
+def test_connect_timeout_gives_up_with_a_clear_error(db, tmp_path, command):
+    """Every long-running process waits for an unreachable database; --connect-timeout bounds the
+    wait, then it exits 1 with one line saying why, no traceback."""
     proxy = Proxy("127.0.0.1", 5432)
     proxy.down()
-    log = tmp_path / "worker.log"
-    p = spawn(db.url.replace(":5432/", f":{proxy.port}/"), "--connect-timeout", "1.5", log=log)
+    log = tmp_path / "process.log"
+    with open(log, "wb") as out:
+        p = spawn_postbox(
+            "--database-url", db.url.replace(":5432/", f":{proxy.port}/"), *command, "--connect-timeout", "1.5",
+            stderr=out.fileno(),
+        )  # fmt: skip
     assert p.wait(30) == 1
     text = log.read_text()
-    assert "gave up after" in text and "--connect-timeout" in text and "Traceback" not in text
+    assert "cannot reach the database" in text and "gave up after" in text and "--connect-timeout" in text
+    assert "Traceback" not in text
