@@ -58,24 +58,71 @@ def cli(
 @cli.command()
 @click.option("--sql", "as_sql", is_flag=True, help="Print the DDL instead of applying it (no connection).")
 @click.option("--revision", default="head", show_default=True, help="Target revision.")
+@click.option(
+    "--check",
+    is_flag=True,
+    help="Only report: exit 0 if the schema is up to date, 1 if an upgrade is pending.",
+)
 @click.pass_context
-def migrate(ctx: click.Context, as_sql: bool, revision: str) -> None:
+def migrate(ctx: click.Context, as_sql: bool, revision: str, check: bool) -> None:
     """Upgrade the database schema (or print its DDL with --sql)."""
+    known = migrations.known_revisions()
+    if revision not in ("head", "base", *known):
+        raise click.ClickException(
+            f"unknown revision {revision!r}: this postbox ships {', '.join(known)} (head {known[-1]})"
+        )
     if as_sql:
         click.echo(migrations.upgrade_sql(revision), nl=False)
         return
     url = _url(ctx)
+    if check:
+        problem = migrations.schema_problem(url)
+        if problem is not None:
+            click.echo(f"postbox: {problem}", err=True)
+            sys.exit(1)
+        click.echo(
+            f"postbox: {mask_url(url)} is up to date (revision {migrations.current_revision(url)})", err=True
+        )
+        return
     migrations.upgrade(url, revision)
     click.echo(f"postbox: {mask_url(url)} is at revision {migrations.current_revision(url)}", err=True)
 
 
 @cli.command()
 @click.argument("revision")
+@click.option(
+    "--force", is_flag=True, help="Downgrade even if it deletes messages, dead letters or the audit log."
+)
 @click.pass_context
-def downgrade(ctx: click.Context, revision: str) -> None:
-    """Downgrade the database schema to REVISION (``base`` removes Postbox entirely)."""
+def downgrade(ctx: click.Context, revision: str, force: bool) -> None:
+    """Downgrade the database schema to REVISION (``base`` removes Postbox entirely, schema included).
+
+    Refused while the tables it would drop hold rows (live messages, dead letters, the audit log),
+    unless --force.
+    """
+    known = migrations.known_revisions()
+    if revision not in ("base", *known):
+        raise click.ClickException(f"unknown revision {revision!r}: this postbox ships {', '.join(known)}")
     url = _url(ctx)
+    if revision == "base":
+        at_risk = migrations.data_at_risk(url)
+        if at_risk and not force:
+            lost = ", ".join(f"{what} ({n:,})" for what, n in at_risk.items())
+            raise click.ClickException(
+                f"downgrading to base would delete {lost}; run again with --force to delete them"
+            )
     migrations.downgrade(url, revision)
+    if revision == "base":
+        gone = migrations.drop_schema_if_empty(url)
+        where = (
+            "schema postbox dropped" if gone else "schema postbox kept: it holds objects Postbox did not make"
+        )
+        click.echo(
+            f"postbox: removed from {mask_url(url)} ({where}); the roles postbox_* are cluster-wide and stay "
+            "(DROP ROLE them when no other database uses them)",
+            err=True,
+        )
+        return
     click.echo(f"postbox: {mask_url(url)} is at revision {migrations.current_revision(url)}", err=True)
 
 
@@ -351,13 +398,26 @@ register_ops_commands(cli)
 
 
 def main() -> None:
+    obj: dict[str, object] = {}
     try:
-        cli(obj={})
+        cli(obj=obj)
     except ConfigError as error:
         click.echo(f"postbox: {error}", err=True)
         sys.exit(2)
+    except migrations.SchemaNotReady as error:
+        click.echo(f"postbox: {error}", err=True)
+        sys.exit(1)
     except (psycopg.OperationalError, sqlalchemy.exc.OperationalError) as error:
         orig = getattr(error, "orig", None) or error
         detail = str(orig).strip().splitlines()[0] if str(orig).strip() else type(orig).__name__
         click.echo(f"postbox: cannot reach the database: {detail}", err=True)
+        sys.exit(1)
+    except (psycopg.errors.UndefinedTable, psycopg.errors.UndefinedFunction, psycopg.errors.InvalidSchemaName,
+            sqlalchemy.exc.ProgrammingError):  # fmt: skip
+        # A command that needs the schema met a database without it (or with an older one).
+        url = obj.get("url")
+        problem = migrations.schema_problem(str(url)) if isinstance(url, str) else None
+        if problem is None:
+            raise
+        click.echo(f"postbox: {problem}", err=True)
         sys.exit(1)

@@ -33,7 +33,9 @@ def database_url(ctx: click.Context) -> str:
     """The configured database, or the embedded PostgreSQL when none is configured."""
     s = settings(ctx)
     configured = s.database_url.get_secret_value() if s.database_url else None
-    return resolve_database_url(configured, s.embedded_data_dir)
+    url = resolve_database_url(configured, s.embedded_data_dir)
+    ctx.ensure_object(dict)["url"] = url  # for the one-line diagnosis of a schema that is missing
+    return url
 
 
 def connect_timeout_option(f: Callable[..., None]) -> Callable[..., None]:
@@ -72,3 +74,11 @@ def await_database(
     if not reached:
         click.echo(f"postbox: {what} stopped while waiting for the database", err=True)
         sys.exit(0)
+    from service.migrate import SchemaNotReady, check_schema
+
+    try:
+        warning = check_schema(url)
+    except SchemaNotReady as error:
+        raise click.ClickException(f"{what}: {error}") from None
+    if warning is not None:
+        click.echo(f"postbox: {warning}", err=True)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import io
 
+import psycopg
+import psycopg.sql
 from alembic import command
 from alembic.config import Config
 from sqlalchemy import create_engine
@@ -11,7 +13,31 @@ from sqlalchemy import create_engine
 from service.paths import migrations_dir
 from service.settings import sqlalchemy_url
 
-__all__ = ["alembic_config", "current_revision", "downgrade", "upgrade", "upgrade_sql"]
+__all__ = [
+    "SchemaNotReady",
+    "alembic_config",
+    "check_schema",
+    "current_revision",
+    "data_at_risk",
+    "downgrade",
+    "head_revision",
+    "libpq_url",
+    "schema_problem",
+    "upgrade",
+    "upgrade_sql",
+]
+
+
+def libpq_url(url: str) -> str:
+    """A URL psycopg accepts: SQLAlchemy's ``postgresql+psycopg://`` form turned into ``postgresql://``."""
+    scheme, sep, rest = url.partition("://")
+    if sep and scheme.startswith("postgresql+"):
+        return "postgresql://" + rest
+    return url
+
+
+class SchemaNotReady(Exception):
+    """The database's Postbox schema is missing or older than this Postbox needs; says what to do."""
 
 
 def alembic_config(url: str | None = None, output: io.StringIO | None = None) -> Config:
@@ -52,6 +78,100 @@ def current_revision(url: str) -> str | None:
             return ctx.get_current_revision()
     finally:
         engine.dispose()
+
+
+def head_revision() -> str:
+    """The newest revision this Postbox ships."""
+    from alembic.script import ScriptDirectory
+
+    head = ScriptDirectory.from_config(alembic_config()).get_current_head()
+    assert head is not None
+    return head
+
+
+def known_revisions() -> list[str]:
+    """Every revision this Postbox ships, oldest first."""
+    from alembic.script import ScriptDirectory
+
+    return [
+        s.revision for s in reversed(list(ScriptDirectory.from_config(alembic_config()).walk_revisions()))
+    ]
+
+
+def _database_revision(url: str) -> str | None:
+    """The revision recorded in the database, or None if Postbox was never migrated there."""
+    with psycopg.connect(libpq_url(url), autocommit=True, connect_timeout=10) as conn:
+        row = conn.execute("SELECT to_regclass('postbox.alembic_version') IS NOT NULL").fetchone()
+        if not row or not row[0]:
+            return None
+        found = conn.execute("SELECT version_num FROM postbox.alembic_version LIMIT 1").fetchone()
+        return str(found[0]) if found else None
+
+
+def schema_problem(url: str) -> str | None:
+    """One line saying what to do if the schema is not usable by this Postbox, else None. A schema
+    newer than this Postbox is usable (its versioned functions stay until a later release drops them)."""
+    current = _database_revision(url)
+    if current is None:
+        return "database not migrated: run 'postbox migrate'"
+    known = known_revisions()
+    head = known[-1]
+    if current == head or current not in known:
+        return None
+    return f"schema at {current}, this postbox needs {head}: run 'postbox migrate'"
+
+
+def check_schema(url: str) -> str | None:
+    """Raise :class:`SchemaNotReady` if the schema must be migrated first; return a warning line if
+    the schema is newer than this Postbox (it keeps working), else None."""
+    problem = schema_problem(url)
+    if problem is not None:
+        raise SchemaNotReady(problem)
+    current = _database_revision(url)
+    if current is not None and current not in known_revisions():
+        return (
+            f"schema at {current} is newer than this postbox ({head_revision()}): it keeps working with "
+            "the versioned functions of its release; upgrade postbox when you can"
+        )
+    return None
+
+
+# Tables whose rows are lost by downgrading past the first revision, and what they hold.
+_DATA_TABLES = {
+    "inbox": "live inbox messages",
+    "outbox": "outbox rows not yet relayed",
+    "dead_letters": "dead letters",
+    "audit_log": "audit log entries",
+    "replay_jobs": "replay jobs",
+    "inbox_dedup": "deduplication ledger entries",
+}
+
+
+def data_at_risk(url: str) -> dict[str, int]:
+    """Rows a downgrade to ``base`` would delete, by what they are (only non-empty tables)."""
+    out: dict[str, int] = {}
+    with psycopg.connect(libpq_url(url), autocommit=True, connect_timeout=10) as conn:
+        for table, what in _DATA_TABLES.items():
+            exists = conn.execute("SELECT to_regclass(%s) IS NOT NULL", [f"postbox.{table}"]).fetchone()
+            if exists and exists[0]:
+                row = conn.execute(
+                    psycopg.sql.SQL("SELECT count(*) FROM postbox.{}").format(psycopg.sql.Identifier(table))
+                ).fetchone()
+                if row and row[0]:
+                    out[what] = int(row[0])
+    return out
+
+
+def drop_schema_if_empty(url: str) -> bool:
+    """After a downgrade to ``base``: remove Alembic's version table and schema postbox itself,
+    unless something else lives there. True if the schema is gone."""
+    with psycopg.connect(libpq_url(url), autocommit=True, connect_timeout=10) as conn:
+        conn.execute("DROP TABLE IF EXISTS postbox.alembic_version")
+        try:
+            conn.execute("DROP SCHEMA IF EXISTS postbox")
+        except psycopg.errors.DependentObjectsStillExist:
+            return False
+    return True
 
 
 def _online(url: str, action: object) -> None:

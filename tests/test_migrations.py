@@ -112,3 +112,72 @@ def test_cli_migrate_applies_and_reports(empty_database):
     )
     assert "revision 0001" in result.stderr
     assert migrate.current_revision(empty_database.url) == "0001"
+
+
+def _postbox(url: str, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "service", "--database-url", url, *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+
+
+def test_commands_on_a_database_never_migrated_say_what_to_do(empty_database):
+    """Every kind of command (a one-shot listing, a status, a long-running worker) on a database
+    without Postbox says in one line to run `postbox migrate`, exit 1, no traceback."""
+    for args in (
+        ("status",),
+        ("dlq", "list"),
+        ("worker", "--consumer", "basic", "--app", "tests.apps.basic:registry", "--connect-timeout", "5"),
+    ):
+        result = _postbox(empty_database.url, *args)
+        assert result.returncode == 1, (args, result.stderr)
+        assert "database not migrated: run 'postbox migrate'" in result.stderr, (args, result.stderr)
+        assert "Traceback" not in result.stderr
+
+
+def test_migrate_check_exits_non_zero_while_an_upgrade_is_pending(empty_database):
+    pending = _postbox(empty_database.url, "migrate", "--check")
+    assert pending.returncode == 1 and "database not migrated" in pending.stderr
+    assert _postbox(empty_database.url, "migrate").returncode == 0
+    done = _postbox(empty_database.url, "migrate", "--check")
+    assert done.returncode == 0 and "up to date (revision 0001)" in done.stderr
+    # SQLAlchemy's URL form is accepted as well.
+    sa = _postbox(empty_database.url.replace("postgresql://", "postgresql+psycopg://"), "migrate", "--check")
+    assert sa.returncode == 0, sa.stderr
+
+
+def test_an_unknown_revision_is_refused_by_name(empty_database):
+    for args in (
+        ("migrate", "--revision", "zzz"),
+        ("migrate", "--sql", "--revision", "zzz"),
+        ("downgrade", "zzz"),
+    ):
+        result = _postbox(empty_database.url, *args)
+        assert result.returncode == 1, args
+        assert "unknown revision 'zzz'" in result.stderr and "0001" in result.stderr
+        assert "Traceback" not in result.stderr
+
+
+def test_downgrade_to_base_refuses_to_delete_data_unless_forced_and_removes_the_schema(database):
+    """`postbox downgrade base` on a database holding messages says what would be lost and refuses;
+    with --force it removes everything Postbox made, schema included."""
+    import service
+
+    with psycopg.connect(database.url) as c:
+        service.receive(c, consumer="c", message_id="m", payload={})
+        c.commit()
+    refused = _postbox(database.url, "downgrade", "base")
+    assert refused.returncode == 1
+    assert "would delete live inbox messages (1)" in refused.stderr and "--force" in refused.stderr
+    assert migrate.current_revision(database.url) == "0001"
+    forced = _postbox(database.url, "downgrade", "base", "--force")
+    assert forced.returncode == 0, forced.stderr
+    assert "schema postbox dropped" in forced.stderr
+    with psycopg.connect(database.url) as c:
+        assert c.execute("SELECT count(*) FROM pg_namespace WHERE nspname = 'postbox'").fetchone() == (0,)
+    # Removing an empty Postbox needs no --force.
+    assert _postbox(database.url, "migrate").returncode == 0
+    assert _postbox(database.url, "downgrade", "base").returncode == 0
