@@ -384,13 +384,29 @@ def bridge(
 
 
 @cli.command()
+@click.option(
+    "--database",
+    "database",
+    default="postbox_demo",
+    show_default=True,
+    help="Name of the database the demo creates on the server (replaced on the next run only if a "
+    "demo created it).",
+)
 @click.pass_context
-def demo(ctx: click.Context) -> None:
-    """Run the order scenario end to end (embedded PostgreSQL unless a database URL is given)."""
-    from service.demo import run_demo
+def demo(ctx: click.Context, database: str) -> None:
+    """Run the order scenario end to end in a database of its own, on the server of the database URL
+    (an embedded PostgreSQL when none is given)."""
+    from service.demo import DemoError, run_demo
 
     s = _settings(ctx)
-    run_demo(s.database_url.get_secret_value() if s.database_url else None, s.embedded_data_dir)
+    try:
+        run_demo(
+            s.database_url.get_secret_value() if s.database_url else None,
+            s.embedded_data_dir,
+            database=database,
+        )
+    except DemoError as error:
+        raise click.ClickException(str(error)) from None
 
 
 register_deadletter_commands(cli)

@@ -34,6 +34,7 @@ from service.handlers import Context, Message, Registry
 from service.outcomes import Permanent, Transient
 from service.producer import receive_many
 from service.replay import ReplayJob, ReplayOptions, ReplayRunner
+from service.settings import mask_url
 
 __all__ = ["registry", "run_demo"]
 
@@ -173,8 +174,12 @@ def _say(text: str) -> None:
     print(text, flush=True)
 
 
+DEMO_MARK = "created by postbox demo"
+
+
 def _database(base_url: str | None, data_dir: Path, name: str) -> tuple[str, Callable[[], None]]:
-    """A fresh demo database on the given server, or on an embedded one when none is given."""
+    """A fresh demo database on the given server, or on an embedded one when none is given. A
+    database of that name is dropped first only if an earlier demo created it (it carries a mark)."""
     if base_url:
         admin_url = base_url
         cleanup: Callable[[], None] = lambda: None  # noqa: E731
@@ -188,10 +193,26 @@ def _database(base_url: str | None, data_dir: Path, name: str) -> tuple[str, Cal
     params = {k: v for k, v in conninfo_to_dict(admin_url).items() if v is not None}
     with psycopg.connect(admin_url, autocommit=True) as conn:
         ident = psycopg.sql.Identifier(name)
-        conn.execute(psycopg.sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(ident))
+        row = conn.execute(
+            "SELECT shobj_description(oid, 'pg_database') FROM pg_database WHERE datname = %s", [name]
+        ).fetchone()
+        if row is not None:
+            if row[0] != DEMO_MARK:
+                raise DemoError(
+                    f"a database named {name} exists on this server and the demo did not create it: "
+                    "give another name with --database, or drop it yourself"
+                )
+            conn.execute(psycopg.sql.SQL("DROP DATABASE {} WITH (FORCE)").format(ident))
         conn.execute(psycopg.sql.SQL("CREATE DATABASE {}").format(ident))
+        conn.execute(
+            psycopg.sql.SQL("COMMENT ON DATABASE {} IS {}").format(ident, psycopg.sql.Literal(DEMO_MARK))
+        )
     params["dbname"] = name
     return _as_url(params), cleanup
+
+
+class DemoError(Exception):
+    """The demo cannot run as asked (its message says why and what to do)."""
 
 
 def _as_url(params: dict[str, Any]) -> str:
@@ -344,7 +365,7 @@ def run_demo(
         "Postbox demo: the order scenario from the retry/DLQ article, on real PostgreSQL and real processes\n"
     )
     url, cleanup = _database(base_url, data_dir, database)
-    _say(f"· database {database}: migrating schema postbox")
+    _say(f"· database {database} on {_server_of(url)}, created for this demo: migrating schema postbox")
     migrations.upgrade(url)
     with psycopg.connect(url, autocommit=True) as conn:
         conn.execute(BUSINESS_DDL)
@@ -403,10 +424,18 @@ def run_demo(
         f"  SELECT * FROM postbox.dlq_explain({deadletter_id_hint(url)});   -- one dead letter's whole story"
     )
     _say(
-        f"\nDone in {time.monotonic() - started:.1f} s; every process stopped. Database {database} is kept for you to explore."
+        f"\nDone in {time.monotonic() - started:.1f} s; every process stopped. Database {database} is kept for you "
+        f'to explore (psql "{mask_url(url)}"); remove it with DROP DATABASE {database} (the next demo '
+        "replaces it)."
     )
     cleanup()
     return {str(k): str(v) for k, v in states.items()}
+
+
+def _server_of(url: str) -> str:
+    p = conninfo_to_dict(url)
+    host = str(p.get("host") or "localhost")
+    return f"the embedded server ({host})" if host.startswith("/") else f"{host}:{p.get('port') or 5432}"
 
 
 def deadletter_id_hint(url: str) -> int:

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import uuid
 
 import psycopg
+import psycopg.sql
 
-from service.demo import run_demo
+from service.demo import DEMO_MARK, _database, run_demo
 from tests.conftest import _conninfo_url
 
 
@@ -50,3 +53,48 @@ def test_demo_scenario_outcome(pg_server, tmp_path):
     finally:
         with psycopg.connect(admin, autocommit=True) as c:
             c.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+def test_demo_never_drops_a_database_it_did_not_create(database, tmp_path):
+    """A database that happens to carry the demo's name is left alone: the demo refuses by name and
+    says what to do; one that an earlier demo created is replaced."""
+    with psycopg.connect(database.url, autocommit=True) as c:
+        c.execute("CREATE TABLE precious (v int)")
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "service",
+            "--database-url",
+            database.url,
+            "demo",
+            "--database",
+            database.name,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert result.returncode == 1
+    assert "the demo did not create it" in result.stderr and "--database" in result.stderr
+    with psycopg.connect(database.url) as c:
+        assert c.execute("SELECT to_regclass('precious') IS NOT NULL").fetchone() == (True,)
+
+    admin = database.url.rsplit("/", 1)[0] + "/postgres"
+    name = f"postbox_demo_{uuid.uuid4().hex[:8]}"
+    try:
+        _database(admin, tmp_path, name)
+        with psycopg.connect(admin, autocommit=True) as c:
+            mark = c.execute(
+                "SELECT shobj_description(oid, 'pg_database') FROM pg_database WHERE datname = %s", [name]
+            ).fetchone()
+        assert mark == (DEMO_MARK,)
+        _database(admin, tmp_path, name)  # an earlier demo's database is replaced
+    finally:
+        with psycopg.connect(admin, autocommit=True) as c:
+            c.execute(
+                psycopg.sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(
+                    psycopg.sql.Identifier(name)
+                )
+            )
