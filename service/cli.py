@@ -15,7 +15,7 @@ import click
 import psycopg
 import sqlalchemy.exc
 
-from service import cli_context
+from service import __version__, cli_context
 from service import migrate as migrations
 from service.breaker import BreakerSettings
 from service.cli_context import await_database, connect_timeout_option
@@ -37,7 +37,8 @@ _settings = cli_context.settings
 _url = cli_context.database_url
 
 
-@click.group()
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "auto_envvar_prefix": "POSTBOX"})
+@click.version_option(__version__, "-V", "--version", prog_name="postbox", message="%(prog)s %(version)s")
 @click.option("--config", type=click.Path(path_type=Path), help="TOML configuration file.")
 @click.option("--database-url", envvar="POSTBOX_DATABASE_URL", help="PostgreSQL URL (default: embedded).")
 @observability_options
@@ -143,10 +144,18 @@ def _load_registry(app: str) -> Registry:
         raise click.BadParameter(
             "expected module:attribute, for example myapp.handlers:registry", param_hint="--app"
         )
+    # Like uvicorn and celery: modules next to where the command runs come first.
+    cwd = os.getcwd()
+    if cwd not in sys.path:
+        sys.path.insert(0, cwd)
     try:
         module = importlib.import_module(module_name)
     except ImportError as error:
-        raise click.BadParameter(f"cannot import {module_name}: {error}", param_hint="--app") from None
+        searched = ", ".join(p or "." for p in sys.path[:4])
+        raise click.BadParameter(
+            f"cannot import {module_name}: {error} (searched the current directory {cwd}, then {searched}, ...)",
+            param_hint="--app",
+        ) from None
     obj = getattr(module, attr, None)
     if callable(obj) and not isinstance(obj, Registry):
         obj = obj()
@@ -411,6 +420,22 @@ def demo(ctx: click.Context, database: str) -> None:
 
 register_deadletter_commands(cli)
 register_ops_commands(cli)
+
+
+def _show_envvars(command: click.Command, prefix: str) -> None:
+    """Every option can also come from an environment variable (POSTBOX_<COMMAND>_<OPTION> unless
+    it names its own): say which one in --help."""
+    for param in command.params:
+        if isinstance(param, click.Option) and param.name not in ("help", "version"):
+            param.show_envvar = True
+            if param.envvar is None:
+                param.envvar = f"{prefix}_{param.name.upper()}" if param.name else None
+    if isinstance(command, click.Group):
+        for name, sub in command.commands.items():
+            _show_envvars(sub, f"{prefix}_{name.upper().replace('-', '_')}")
+
+
+_show_envvars(cli, "POSTBOX")
 
 
 def main() -> None:

@@ -73,3 +73,69 @@ def test_password_never_appears_in_error_output(tmp_path):
     r = postbox("--database-url", url, "migrate")
     assert r.returncode != 0
     assert "s3cr3t-pw" not in r.stderr + r.stdout
+
+
+def test_version_and_short_help_everywhere():
+    r = postbox("--version")
+    assert r.returncode == 0 and r.stdout.strip() == "postbox 0.1.0"
+    for args in (("-h",), ("worker", "-h"), ("dlq", "list", "-h"), ("replay", "run", "-h")):
+        r = postbox(*args)
+        assert r.returncode == 0 and "Usage:" in r.stdout, args
+
+
+def test_every_option_can_come_from_the_environment_and_help_says_which(database):
+    """POSTBOX_<COMMAND>_<OPTION>: a worker configured through the environment alone (for example the
+    bridge's --from URL, which must not be visible in `ps`)."""
+    help_text = postbox("worker", "--help").stdout
+    assert "POSTBOX_WORKER_CONCURRENCY" in help_text and "POSTBOX_WORKER_HANDLER_TIMEOUT" in help_text
+    assert "POSTBOX_BRIDGE_SOURCE_URL" in postbox("bridge", "--help").stdout
+    r = postbox(
+        "worker",
+        env={
+            "POSTBOX_DATABASE_URL": database.url,
+            "POSTBOX_WORKER_CONSUMER": "other",
+            "POSTBOX_WORKER_APP": "tests.apps.basic:registry",
+        },
+    )
+    assert r.returncode == 2 and "no handler for consumer 'other'" in r.stderr
+
+
+def test_app_modules_are_found_in_the_current_directory(tmp_path, database):
+    """Like uvicorn and celery, `--app myhandlers:registry` finds myhandlers.py where the command
+    runs, without PYTHONPATH (through the installed `postbox` command)."""
+    (tmp_path / "myhandlers.py").write_text(
+        "from service.handlers import Registry\nregistry = Registry()\n"
+        "@registry.handler('mine')\ndef handle(message, ctx):\n    pass\n"
+    )
+    script = os.path.join(os.path.dirname(sys.executable), "postbox")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    r = subprocess.run(
+        [
+            script,
+            "--database-url",
+            database.url,
+            "worker",
+            "--consumer",
+            "other",
+            "--app",
+            "myhandlers:registry",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env=env,
+        timeout=120,
+        check=False,
+    )
+    # Imported: the error is about the consumer, not the module.
+    assert r.returncode == 2 and "no handler for consumer 'other'" in r.stderr, r.stderr
+    r = subprocess.run(
+        [script, "--database-url", database.url, "worker", "--consumer", "x", "--app", "nothere:registry"],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env=env,
+        timeout=120,
+        check=False,
+    )
+    assert r.returncode == 2 and "cannot import nothere" in r.stderr and str(tmp_path) in r.stderr
