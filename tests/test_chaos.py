@@ -1,4 +1,4 @@
-"""The quick mode of the chaos harness (``tests/chaos``): each fault F1..F5 injected and healed
+"""The quick mode of the chaos harness (``tests/chaos``): each fault F1..F6 injected and healed
 twice under steady producer load with real worker and relay processes, then the backlog drained
 and every invariant checked. ``make chaos`` runs the same scenarios for longer."""
 
@@ -11,11 +11,16 @@ import psycopg
 import pytest
 
 from service import migrate
-from tests.chaos.faults import ALL, F4_FAST, F4_IMMEDIATE
+from tests.apps.chaos import KINDS
+from tests.chaos.faults import ALL, F4_FAST, F4_IMMEDIATE, MISBEHAVE_TIMEOUT, MISBEHAVING
 from tests.chaos.harness import Fault, run_fault
 from tests.chaos.pgcluster import PrivateCluster
 
 QUICK_ITERATIONS = 2
+# How long a well-behaved message of a stuck handler's batch may wait for its effect, from the
+# stuck attempt's start: the time limit, the 1 s before the slot is abandoned, the settling of the
+# batch and a new claim, with room for a loaded two-core machine.
+WAIT_BOUND = MISBEHAVE_TIMEOUT + 1.0 + 3.0
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +41,9 @@ def fresh_database(cluster: PrivateCluster) -> str:
     return url
 
 
-@pytest.mark.parametrize("fault", [f for f in ALL if not f.needs_cluster], ids=lambda f: f.name.split()[0])
+@pytest.mark.parametrize(
+    "fault", [f for f in ALL if not f.needs_cluster and f not in MISBEHAVING], ids=lambda f: f.name.split()[0]
+)
 def test_fault_keeps_every_invariant(fault: Fault, database) -> None:
     """Under F1 (kill -9 at every point), F2 (SIGSTOP past the lease and time limit), F3
     (pg_terminate_backend on worker, relay and producer connections) and F5 (broker cut): nothing
@@ -66,3 +73,23 @@ def test_postgres_restart_keeps_every_invariant(fault: Fault, cluster: PrivateCl
     assert v.failed + v.unknown > 0, "the restarts did not touch the producers"
     exits = {k: n for k, n in result.notes.items() if " exit " in k}
     assert exits == {}, f"processes died instead of reconnecting: {exits}"
+
+
+@pytest.mark.parametrize("fault", MISBEHAVING, ids=["batch1", "batch10"])
+def test_misbehaving_handlers_harm_only_their_own_message(fault: Fault, database) -> None:
+    """F6: under load, handlers commit, roll back, close or reconfigure ctx.conn, send COMMIT or
+    ROLLBACK as SQL, sleep, spin or block an async handler past the time limit, raise SystemExit or
+    KeyboardInterrupt, or swallow a database error. Nothing lost, no duplicate effect, per-key order
+    gap-free, exactly the handlers that ended the transaction dead-lettered, every misbehaving
+    attempt recorded as it must be, no late write of abandoned code, and the other messages of a
+    stuck handler's batch processed within the time limit plus a few seconds."""
+    result = run_fault(fault, database.url, iterations=QUICK_ITERATIONS, drain_bound=60)
+    v = result.verdict
+    assert v.problems() == [], v.summary()
+    assert v.ok > 0 and v.done > 0 and v.events_delivered == v.events_expected
+    assert v.misbehaviours is not None
+    missing = [k for k in KINDS if not v.misbehaviours.get(k)]
+    assert missing == [], f"never injected: {missing} ({v.misbehaviours})"
+    assert v.late_writes_tried > 0 and v.late_writes_accepted == 0 and v.late_rows == 0
+    summary = v.summary()
+    assert summary["wait_max_s"] is None or summary["wait_max_s"] < WAIT_BOUND, summary

@@ -1,4 +1,4 @@
-"""``python -m tests.chaos`` (``make chaos``): every fault F1..F5 for ``CHAOS_ITERATIONS`` cycles
+"""``python -m tests.chaos`` (``make chaos``): every fault F1..F6 for ``CHAOS_ITERATIONS`` cycles
 (default 20) under steady load, then a table of the figures; results go to
 ``bench-results/chaos-<time>.json``. ``CHAOS_FAULTS`` (e.g. ``F1,F4``) picks faults;
 ``CHAOS_KEYS`` sets the keys per producer thread (default 40);
@@ -44,6 +44,11 @@ COLUMNS = [
     ("events_missing", "ev. missing"),
     ("event_order_violations", "ev. order viol."),
     ("drain_seconds", "drain s"),
+    ("misbehaviours", "misbehaved"),
+    ("late_writes", "late writes"),
+    ("wait_max_s", "wait max s"),
+    ("wait_p99_s", "wait p99 s"),
+    ("latency_p99_s", "latency p99 s"),
 ]
 
 

@@ -1,4 +1,4 @@
-"""The faults F1..F5 of the chaos harness, as inject/heal pairs acting on a ``Rig``."""
+"""The faults F1..F6 of the chaos harness, as inject/heal pairs acting on a ``Rig``."""
 
 from __future__ import annotations
 
@@ -135,4 +135,43 @@ F5 = Fault(
     gap=1.0,
 )
 
-ALL = [F1, F2, F3, F4_IMMEDIATE, F4_FAST, F5]
+# F6: handlers that misbehave (tests/apps/chaos.py, ``KINDS``), all the time rather than in windows:
+# an iteration is a stretch of load. A 1 s time limit; stuck code ends after 3.5 s (abandoned at
+# about 2 s), then tries a late write. A worker past 6 stuck threads exits 70 and is restarted.
+MISBEHAVE_RATE = 0.05
+MISBEHAVE_TIMEOUT = 1.0
+
+
+def _misbehaving(batch_size: int) -> Fault:
+    def inject(rig: Rig) -> None:
+        rig.note("misbehaviour windows")
+
+    args: tuple[str, ...] = (
+        "--batch-size", str(batch_size), "--handler-timeout", str(MISBEHAVE_TIMEOUT), "--max-stuck-handlers", "6",
+    )  # fmt: skip
+    if batch_size > 1:
+        # Polled, not woken by each message: batches fill up, so that a handler's SQL COMMIT or
+        # ROLLBACK has messages before it in its batch to commit or undo.
+        args += ("--no-listen", "--poll-interval", "0.5")
+
+    return Fault(
+        f"F6 misbehaving handlers, batch {batch_size}",
+        f"{MISBEHAVE_RATE:.0%} of messages misbehave: commit/rollback/close/autocommit through ctx.conn"
+        " (refused), SQL COMMIT and ROLLBACK, sleeping, spinning and blocking an async handler past"
+        f" a {MISBEHAVE_TIMEOUT:g} s time limit, SystemExit, KeyboardInterrupt, a swallowed database error;"
+        f" batches of {batch_size}" + (" (polled every 0.5 s)" if batch_size > 1 else ""),
+        inject,
+        _noop,
+        hold=3.0,
+        gap=1.0,
+        env={"CHAOS_MISBEHAVE_RATE": str(MISBEHAVE_RATE), "CHAOS_STUCK_SECONDS": "3.5"},
+        worker_args=args,
+        expected_exits=(70,),
+    )
+
+
+F6_BATCH1 = _misbehaving(1)
+F6_BATCH10 = _misbehaving(10)
+MISBEHAVING = [F6_BATCH1, F6_BATCH10]
+
+ALL = [F1, F2, F3, F4_IMMEDIATE, F4_FAST, F5, *MISBEHAVING]

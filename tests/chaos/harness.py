@@ -42,8 +42,17 @@ class Processes:
     """Real ``postbox`` processes, restarted when they die; output goes to files (a full pipe would
     stall a process that logs a lot while its database is away)."""
 
-    def __init__(self, name: str, args: list[str], count: int, env: dict[str, str], logdir: Path) -> None:
+    def __init__(
+        self,
+        name: str,
+        args: list[str],
+        count: int,
+        env: dict[str, str],
+        logdir: Path,
+        expected_exits: tuple[int, ...] = (),
+    ) -> None:
         self.name = name
+        self.expected_exits = expected_exits
         self.args = [sys.executable, "-m", "service", *args]
         self.env = {**os.environ, "PYTHONPATH": str(REPO), **env}
         self.logdir = logdir
@@ -71,13 +80,15 @@ class Processes:
 
     def keep_alive(self) -> None:
         """Restart dead processes. Killed ones are expected; one that exits because the database is
-        unreachable at start-up (during a restart) too; anything else is a failure."""
+        unreachable at start-up (during a restart) too, and the fault's ``expected_exits`` (a worker
+        with too many stuck handler threads exits 70 for its supervisor); anything else is a failure."""
         for i, p in enumerate(self.procs):
             if p.poll() is None:
                 continue
             tail = self.log_tail(self._log_of[p.pid])
             unreachable_at_start = p.returncode == 1 and "cannot reach the database" in tail
-            if p.returncode not in (-signal.SIGKILL, -signal.SIGTERM, 0) and not unreachable_at_start:
+            expected = p.returncode in (-signal.SIGKILL, -signal.SIGTERM, 0, *self.expected_exits)
+            if not expected and not unreachable_at_start:
                 raise AssertionError(f"{self.name} exited with {p.returncode}: {tail}")
             if p.returncode != -signal.SIGKILL:
                 reason = f"{self.name} exit {p.returncode}"
@@ -153,7 +164,9 @@ class Rig:
 @dataclass(frozen=True)
 class Fault:
     """``inject`` breaks something, ``heal`` repairs it ``hold`` seconds later; ``gap`` seconds of
-    normal operation separate two injections. ``env`` is given to the worker processes."""
+    normal operation separate two injections. ``env`` is given to the worker processes,
+    ``worker_args`` added to their command line (after ``WORKER_ARGS``, so they override them);
+    ``expected_exits`` are exit statuses of workers that are restarted, not failures."""
 
     name: str
     description: str
@@ -163,6 +176,8 @@ class Fault:
     gap: float
     env: dict[str, str] = field(default_factory=dict)
     needs_cluster: bool = False
+    worker_args: tuple[str, ...] = ()
+    expected_exits: tuple[int, ...] = ()
 
 
 @dataclass
@@ -220,7 +235,7 @@ def _drained(url: str, broker: BrokerLog) -> bool:
             row = c.execute(
                 "SELECT (SELECT count(*) FROM postbox.inbox WHERE consumer = %s),"
                 " (SELECT count(*) FROM postbox.outbox),"
-                " (SELECT count(*) FROM chaos_effects)",
+                " (SELECT count(DISTINCT message_id) FROM chaos_effects)",
                 (CONSUMER,),
             ).fetchone()
     except psycopg.OperationalError:
@@ -258,15 +273,18 @@ def run_fault(
             "CHAOS_MAX_ATTEMPTS": str(MAX_ATTEMPTS),
             "CHAOS_PERMANENT_RATE": "0.01",
             "CHAOS_FAIL_RATE": "0.03",
+            "CHAOS_DATABASE_URL": url,
             **fault.env,
         }
         workers = Processes(
             "worker",
-            ["--database-url", url, "worker", "--consumer", CONSUMER, "--app", APP, *WORKER_ARGS],
+            ["--database-url", url, "worker", "--consumer", CONSUMER, "--app", APP, *WORKER_ARGS,
+             *fault.worker_args],
             processes,
             env,
             logdir,
-        )
+            fault.expected_exits,
+        )  # fmt: skip
         relays = Processes(
             "relay", ["--config", str(config), "--database-url", url, "relay", *RELAY_ARGS], 1, {}, logdir
         )
@@ -301,10 +319,20 @@ def run_fault(
             relays.stop()
             proxy.down()
             broker.stop()
-        verdict = check(url, CONSUMER, log, broker.received, max_attempts=MAX_ATTEMPTS)
+        verdict = check(
+            url,
+            CONSUMER,
+            log,
+            broker.received,
+            max_attempts=MAX_ATTEMPTS,
+            permanent_rate=float(env["CHAOS_PERMANENT_RATE"]),
+            misbehave_rate=float(env.get("CHAOS_MISBEHAVE_RATE", "0")),
+        )
         verdict.drain_seconds = None if drain is None else round(drain, 2)
         notes = {**rig.notes, **workers.exits, **relays.exits}
         notes["late completions refused by the fence"] = workers.count_in_logs("claims lost for")
+        if "CHAOS_MISBEHAVE_RATE" in env:
+            notes["slots abandoned"] = workers.count_in_logs('"event": "handler_abandoned"')
         notes = {k: v for k, v in notes.items() if v}
         if drain is None:
             worker_tail = workers.log_tail(workers.spawned)
