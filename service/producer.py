@@ -24,7 +24,8 @@ from service.messages import (
     ReceiveStatus,
     invalid_message_from,
     plain_inbox_item,
-    to_json,
+    to_sql_json,
+    utf8_size,
 )
 
 __all__ = [
@@ -82,6 +83,87 @@ def _outbox_batch(messages: Iterable[OutboxMessage | dict[str, Any]]) -> list[Ou
     return checked
 
 
+# --- size limits, before the round trip -------------------------------------------------------
+# The size limits are PostgreSQL settings (postbox.max_payload_bytes, postbox.max_headers_bytes),
+# which the database, the role or the session may set: only the server knows the values in force.
+# A payload or headers text over CHECKED_ABOVE_BYTES is checked against them before it is sent,
+# with one extra query (a read that cannot fail), so that the refusal leaves the caller's
+# transaction usable; a smaller one (over a limit set lower than that) is refused by the server.
+CHECKED_ABOVE_BYTES = 65_536
+
+# (field as the caller named it, which limit: 0 payload / 1 headers, bytes of JSON text)
+_Large = tuple[str, int, int]
+_LIMIT_NAMES = ("postbox.max_payload_bytes", "postbox.max_headers_bytes")
+
+
+def _large(field: str, which: int, text: str | None, found: list[_Large]) -> bool:
+    """Add ``text`` to ``found`` if it is over CHECKED_ABOVE_BYTES; whether it was."""
+    # A character is at most 4 bytes of UTF-8: most texts are told apart by their length alone.
+    if text is None or len(text) <= CHECKED_ABOVE_BYTES // 4:
+        return False
+    size = utf8_size(text)
+    if size <= CHECKED_ABOVE_BYTES:
+        return False
+    found.append((field, which, size))
+    return True
+
+
+def _large_params(params: dict[str, Any]) -> list[_Large]:
+    found: list[_Large] = []
+    _large("payload", 0, params["payload"], found)
+    _large("headers", 1, params["headers"], found)
+    return found
+
+
+def _large_items(values: list[Any], field: str, which: int, found: list[_Large]) -> None:
+    """The large ones among a batch's payloads (or headers), each measured alone."""
+    for i, value in enumerate(values):
+        _large(f"messages[{i}].{field}", which, to_sql_json(value), found)
+
+
+def _refuse_over_limits(large: list[_Large], limits: Sequence[Any]) -> None:
+    for field, which, size in large:
+        limit = int(limits[which])
+        if size > limit:
+            raise InvalidMessage(field, f"is {size} bytes, over the limit of {limit} ({_LIMIT_NAMES[which]})")
+
+
+def _check_limits(conn: AnySyncConnection, large: list[_Large]) -> None:
+    if large:
+        _refuse_over_limits(large, first(run(conn, query("input_limits"), {})))
+
+
+async def _check_limits_async(conn: AnyAsyncConnection, large: list[_Large]) -> None:
+    if large:
+        _refuse_over_limits(large, first(await run_async(conn, query("input_limits"), {})))
+
+
+def _inbox_large(items: list[dict[str, Any]], name: str, params: dict[str, Any]) -> list[_Large]:
+    """The payloads and headers of a batch that must be checked against the server's limits.
+    The columns form sends each as one JSON array: no element is longer than the array, so only
+    a long array has its elements measured one by one."""
+    found: list[_Large] = []
+    if name == "inbox_receive_columns":
+        if _large("payloads", 0, params["payloads"], []):
+            _large_items([m["payload"] for m in items], "payload", 0, found)
+        if _large("headers", 1, params["headers"], []):
+            _large_items([m.get("headers") or {} for m in items], "headers", 1, found)
+        return found
+    for i, text in enumerate(params["payloads"]):
+        _large(f"messages[{i}].payload", 0, text, found)
+    for i, text in enumerate(params["headers"] or ()):
+        _large(f"messages[{i}].headers", 1, text, found)
+    return found
+
+
+def _outbox_large(batch: list[OutboxMessage], text: str) -> list[_Large]:
+    found: list[_Large] = []
+    if _large("messages", 0, text, []):
+        _large_items([m.payload for m in batch], "payload", 0, found)
+        _large_items([m.headers for m in batch], "headers", 1, found)
+    return found
+
+
 # The optional columns of a batch, with what an absent field stands for.
 _OPTIONAL_COLUMNS = (
     ("keys", "key"),
@@ -115,13 +197,13 @@ def _inbox_call(items: list[dict[str, Any]]) -> tuple[str, dict[str, Any]]:
     if consumers.count(consumers[0]) == len(consumers):
         return "inbox_receive_columns", columns | {
             "consumer": consumers[0],
-            "payloads": to_json([m["payload"] for m in items]),
-            "headers": None if headers is None else to_json(headers),
+            "payloads": to_sql_json([m["payload"] for m in items]),
+            "headers": None if headers is None else to_sql_json(headers),
         }
     return "inbox_receive_arrays", columns | {
         "consumers": consumers,
-        "payloads": [to_json(m["payload"]) for m in items],
-        "headers": None if headers is None else [to_json(h) for h in headers],
+        "payloads": [to_sql_json(m["payload"]) for m in items],
+        "headers": None if headers is None else [to_sql_json(h) for h in headers],
     }
 
 
@@ -155,10 +237,14 @@ def receive(conn: AnySyncConnection, message: InboxMessage | None = None, /, **f
     Pass an :class:`InboxMessage` or its fields as keywords (``consumer``, ``message_id``,
     ``payload``, ``key``, ``type``, ``sequence``, ``headers``, ...). Returns whether the message is
     new, a duplicate, or a conflict (same id, other payload: nothing written). Raises
-    :class:`InvalidMessage` naming the field for bad input, before anything is written.
+    :class:`InvalidMessage` naming the field for bad input, before anything is written: before
+    the round trip (the caller's transaction goes on), except what only the database knows (an
+    undeclared consumer, a sequenced consumer without ``sequence``, a size limit set below
+    ``CHECKED_ABOVE_BYTES``), which the server refuses, aborting the caller's transaction.
     """
-    m = _inbox(message, fields)
-    return _receive_result(first(run(conn, query("inbox_receive"), m.params())))
+    params = _inbox(message, fields).params()
+    _check_limits(conn, _large_params(params))
+    return _receive_result(first(run(conn, query("inbox_receive"), params)))
 
 
 def receive_many(
@@ -169,6 +255,7 @@ def receive_many(
     if not items:
         return []
     name, params = _inbox_call(items)
+    _check_limits(conn, _inbox_large(items, name, params))
     return _receive_results(run(conn, query(name), params))
 
 
@@ -176,8 +263,9 @@ async def receive_async(
     conn: AnyAsyncConnection, message: InboxMessage | None = None, /, **fields: Any
 ) -> ReceiveResult:
     """:func:`receive` for psycopg ``AsyncConnection`` and SQLAlchemy async sessions/connections."""
-    m = _inbox(message, fields)
-    return _receive_result(first(await run_async(conn, query("inbox_receive"), m.params())))
+    params = _inbox(message, fields).params()
+    await _check_limits_async(conn, _large_params(params))
+    return _receive_result(first(await run_async(conn, query("inbox_receive"), params)))
 
 
 async def receive_many_async(
@@ -188,6 +276,7 @@ async def receive_many_async(
     if not items:
         return []
     name, params = _inbox_call(items)
+    await _check_limits_async(conn, _inbox_large(items, name, params))
     return _receive_results(await run_async(conn, query(name), params))
 
 
@@ -200,8 +289,9 @@ def publish(conn: AnySyncConnection, message: OutboxMessage | None = None, /, **
     Fields: ``destination``, ``payload``, ``key``, ``type``, ``message_id`` (default: a UUID),
     ``headers``, ``correlation_id``, ``causation_id``.
     """
-    m = _outbox(message, fields)
-    return int(first(run(conn, query("outbox_publish"), m.params()))[0])
+    params = _outbox(message, fields).params()
+    _check_limits(conn, _large_params(params))
+    return int(first(run(conn, query("outbox_publish"), params))[0])
 
 
 def publish_many(conn: AnySyncConnection, messages: Iterable[OutboxMessage | dict[str, Any]]) -> list[int]:
@@ -209,7 +299,9 @@ def publish_many(conn: AnySyncConnection, messages: Iterable[OutboxMessage | dic
     batch = _outbox_batch(messages)
     if not batch:
         return []
-    rows = run(conn, query("outbox_publish_batch"), {"messages": to_json([m.batch_item() for m in batch])})
+    text = to_sql_json([m.batch_item() for m in batch])
+    _check_limits(conn, _outbox_large(batch, text))
+    rows = run(conn, query("outbox_publish_batch"), {"messages": text})
     return [int(r[1]) for r in rows]
 
 
@@ -217,8 +309,9 @@ async def publish_async(
     conn: AnyAsyncConnection, message: OutboxMessage | None = None, /, **fields: Any
 ) -> int:
     """:func:`publish` for async connections."""
-    m = _outbox(message, fields)
-    return int(first(await run_async(conn, query("outbox_publish"), m.params()))[0])
+    params = _outbox(message, fields).params()
+    await _check_limits_async(conn, _large_params(params))
+    return int(first(await run_async(conn, query("outbox_publish"), params))[0])
 
 
 async def publish_many_async(
@@ -228,9 +321,9 @@ async def publish_many_async(
     batch = _outbox_batch(messages)
     if not batch:
         return []
-    rows = await run_async(
-        conn, query("outbox_publish_batch"), {"messages": to_json([m.batch_item() for m in batch])}
-    )
+    text = to_sql_json([m.batch_item() for m in batch])
+    await _check_limits_async(conn, _outbox_large(batch, text))
+    rows = await run_async(conn, query("outbox_publish_batch"), {"messages": text})
     return [int(r[1]) for r in rows]
 
 

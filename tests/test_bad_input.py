@@ -132,12 +132,12 @@ def test_payload_just_under_at_and_over_the_limit(conn):
     )
     assert isinstance(error, InvalidMessage) and error.field == "payload"
     assert f"over the limit of {LIMIT}" in error.problem
-    with pytest.raises(psycopg.errors.InvalidParameterValue) as info:
+    with pytest.raises(psycopg.DataError) as info:
         conn.execute(
             "SELECT * FROM postbox.inbox_receive('c', 'big', %s::jsonb)",
             (json.dumps(_payload_of(LIMIT + 1)),),
         )
-    assert info.value.diag.column_name == "payload"
+    assert info.value.sqlstate == "22PB1" and info.value.diag.column_name == "payload"
     conn.rollback()
     assert stored(conn) == 4
 
@@ -155,8 +155,9 @@ def test_ten_mib_payload_is_refused_by_default(conn):
     big = {"blob": "y" * (10 * 1024 * 1024)}
     error = refused(conn, "payload", payload=big)
     assert "over the limit of 1048576" in error.problem
-    with pytest.raises(psycopg.errors.InvalidParameterValue):
+    with pytest.raises(psycopg.DataError) as info:
         conn.execute("SELECT * FROM postbox.inbox_receive('c', 'm', %s::jsonb)", (json.dumps(big),))
+    assert info.value.sqlstate == "22PB1" and info.value.diag.column_name == "payload"
     conn.rollback()
     assert stored(conn) == 0
 
@@ -198,6 +199,213 @@ def test_worker_memory_stays_bounded_with_ten_mib_payloads(database):
         worker.wait(30)
     assert peak < 400, f"worker peak RSS {peak:.0f} MB"
     assert scalar(database.url, "SELECT count(*) FROM postbox.inbox") == 0
+
+
+# --- headers, numbers, nesting; the caller's transaction ---------------------------------------
+
+HEADERS_LIMIT = 1000  # postbox.max_headers_bytes for the SQL limit tests
+
+
+def _deep(levels: int) -> list[object]:
+    """A list nested ``levels`` deep: [[...[1]...]] (the number is at level ``levels`` + 1)."""
+    value: list[object] = [1]
+    for _ in range(levels - 1):
+        value = [value]
+    return value
+
+
+def _nested(levels: int) -> object:
+    """A JSON value of exactly ``levels`` levels (the value itself is level 1), built iteratively."""
+    return _deep(levels - 1) if levels > 1 else 1
+
+
+def kept_transaction(conn: psycopg.Connection, field: str, call) -> InvalidMessage:  # type: ignore[no-untyped-def]
+    """``call`` is refused with InvalidMessage naming ``field`` before the round trip: the caller's
+    transaction, with a message received earlier in it, stays usable and commits."""
+    assert service.receive(conn, consumer="c", message_id="earlier", payload={}).is_new
+    with pytest.raises(InvalidMessage) as info:
+        call()
+    assert info.value.field == field, info.value
+    assert conn.info.transaction_status is psycopg.pq.TransactionStatus.INTRANS
+    conn.commit()
+    assert conn.execute("SELECT message_id FROM postbox.inbox_dedup").fetchall() == [("earlier",)]
+    assert conn.execute("SELECT count(*) FROM postbox.outbox").fetchone() == (0,)
+    return info.value
+
+
+def _receive(conn, **change):  # type: ignore[no-untyped-def]
+    return lambda: service.receive(conn, **{"consumer": "c", "message_id": "m", "payload": {}, **change})
+
+
+def _receive_many(conn, consumers=("c", "c"), **change):  # type: ignore[no-untyped-def]
+    return lambda: service.receive_many(
+        conn,
+        [{"consumer": consumers[0], "message_id": "ok", "payload": {}},
+         {"consumer": consumers[1], "message_id": "m", "payload": {}, **change}],
+    )  # fmt: skip
+
+
+def _publish(conn, **change):  # type: ignore[no-untyped-def]
+    return lambda: service.publish(conn, **{"destination": "d", "payload": {}, **change})
+
+
+def _publish_many(conn, **change):  # type: ignore[no-untyped-def]
+    return lambda: service.publish_many(
+        conn, [{"destination": "d", "payload": {}}, {"destination": "d", "payload": {}, **change}]
+    )
+
+
+ENTRY_POINTS = {
+    "receive": (_receive, ""),
+    "receive_many-one-consumer": (_receive_many, "messages[1]."),
+    "receive_many-mixed-consumers": (
+        lambda conn, **ch: _receive_many(conn, ("c", "c2"), **ch),
+        "messages[1].",
+    ),
+    "publish": (_publish, ""),
+    "publish_many": (_publish_many, "messages[1]."),
+}
+FINDINGS = {
+    # headers had no limit: 50 MiB of them went in (and into a worker's memory)
+    "headers-50MiB": ({"headers": {"h": "x" * 50 * 2**20}}, "headers", "over the limit of 65536"),
+    "payload-over-1MiB": ({"payload": "x" * 2**20}, "payload", "over the limit of 1048576"),
+    "payload-10**5000": ({"payload": {"n": 10**5000}}, "payload", "more than 4300 digits"),
+    "headers-huge-integer": ({"headers": {"n": -(10**4300)}}, "headers", "more than 4300 digits"),
+    "payload-100000-deep": ({"payload": _deep(100_000)}, "payload", "deeper than 64 levels"),
+    "headers-65-levels": ({"headers": {"h": _nested(64)}}, "headers", "deeper than 64 levels"),
+}
+
+
+@pytest.mark.parametrize("entry", ENTRY_POINTS)
+@pytest.mark.parametrize("finding", FINDINGS)
+def test_oversize_deep_and_unreadable_values_are_refused_before_the_round_trip(conn, entry, finding):
+    """Headers over their limit (64 KiB by default), a payload over its own, an integer of more
+    than 4300 digits, nesting deeper than 64 levels: refused by every Python entry point with
+    InvalidMessage naming the field (and the element in a batch), before anything is sent, so
+    the caller's transaction goes on. (Before: headers had no limit, 10**5000 raised a bare
+    ValueError, deep nesting a RecursionError, and an oversize payload aborted the transaction.)"""
+    make, prefix = ENTRY_POINTS[entry]
+    change, field, problem = FINDINGS[finding]
+    error = kept_transaction(conn, prefix + field, make(conn, **change))
+    assert problem in error.problem
+
+
+@pytest.mark.parametrize(
+    ("change", "field", "problem"),
+    [
+        ({"sequence": 2**63}, "sequence", "9223372036854775807"),
+        ({"schema_version": 2**31}, "schema_version", "2147483647"),
+    ],
+    ids=["sequence-2**63", "schema_version-2**31"],
+)
+@pytest.mark.parametrize("entry", ["receive", "receive_many-one-consumer", "receive_many-mixed-consumers"])
+def test_integers_out_of_their_column_range_are_refused_before_the_round_trip(
+    conn, entry, change, field, problem
+):
+    """``sequence`` must fit a bigint and ``schema_version`` an integer: refused naming the field,
+    the caller's transaction untouched. (Before: the server's NumericValueOutOfRange aborted it.)"""
+    make, prefix = ENTRY_POINTS[entry]
+    error = kept_transaction(conn, prefix + field, make(conn, **change))
+    assert problem in error.problem
+
+
+def test_the_deepest_accepted_value_and_the_largest_integer_are_stored(conn):
+    """64 levels and integers of 4300 digits are accepted, through Python and SQL, and read back."""
+    big = int("9" * 4300)
+    payload = {"deep": _nested(63), "big": big, "small": -big}
+    assert service.receive(conn, consumer="c", message_id="py", payload=payload).is_new
+    conn.execute("SELECT * FROM postbox.inbox_receive('c', 'sql', %s::jsonb)", (json.dumps(payload),))
+    rows = conn.execute("SELECT payload FROM postbox.inbox ORDER BY id").fetchall()
+    assert rows == [(payload,), (payload,)]
+
+
+def _sql_calls() -> dict[str, str]:
+    """Each SQL function that writes a message, with the payload as %(p)s and the headers as %(h)s."""
+    message = "jsonb_build_object('consumer', 'c', 'message_id', 'm', 'payload', %(p)s::jsonb, 'headers', %(h)s::jsonb)"
+    return {
+        "inbox_receive_v1": "SELECT status FROM postbox.inbox_receive_v1('c', 'm', %(p)s::jsonb, headers => %(h)s::jsonb)",
+        "inbox_receive_batch_v1": f"SELECT status FROM postbox.inbox_receive_batch_v1(jsonb_build_array({message}))",
+        "inbox_receive_arrays_v1": "SELECT status FROM postbox.inbox_receive_arrays_v1(ARRAY['c'], ARRAY['m'],"
+        " ARRAY[%(p)s::jsonb], NULL, NULL, NULL, ARRAY[%(h)s::jsonb], NULL, NULL, NULL, NULL)",
+        "inbox_receive_columns_v1": "SELECT status FROM postbox.inbox_receive_columns_v1('c', ARRAY['m'],"
+        " jsonb_build_array(%(p)s::jsonb), headers => jsonb_build_array(%(h)s::jsonb))",
+        "outbox_publish_v1": "SELECT 'new' FROM postbox.outbox_publish_v1('d', %(p)s::jsonb, headers => %(h)s::jsonb)",
+        "outbox_publish_batch_v1": "SELECT 'new' FROM postbox.outbox_publish_batch_v1(jsonb_build_array("
+        "jsonb_build_object('destination', 'd', 'payload', %(p)s::jsonb, 'headers', %(h)s::jsonb)))",
+    }
+
+
+SQL_CALLS = _sql_calls()
+# (payload, headers) JSON texts, the field refused (None: accepted), and what the message says.
+SQL_CASES = {
+    "headers-at-the-limit": ("{}", json.dumps({"h": "x" * (HEADERS_LIMIT - 9)}), None, ""),
+    "headers-1-byte-over-the-limit": (
+        "{}",
+        json.dumps({"h": "x" * (HEADERS_LIMIT - 8)}),
+        "headers",
+        "over the limit of 1000",
+    ),
+    "payload-64-levels": (json.dumps(_nested(64)), "{}", None, ""),
+    "payload-65-levels": (json.dumps(_nested(65)), "{}", "payload", "deeper than 64 levels"),
+    "headers-65-levels": ("{}", json.dumps({"h": _nested(64)}), "headers", "deeper than 64 levels"),
+    "payload-4300-digits": ('{"n": ' + "9" * 4300 + "}", "{}", None, ""),
+    "payload-1e4300": ('{"n": 1e4300}', "{}", "payload", "more than 4300 digits"),
+    "headers-minus-1e5000": ("{}", '{"n": -1e5000}', "headers", "more than 4300 digits"),
+}
+
+
+@pytest.mark.parametrize("case", SQL_CASES)
+@pytest.mark.parametrize("call", SQL_CALLS)
+def test_sql_functions_refuse_what_python_refuses_with_22PB1_naming_the_field(conn, call, case):
+    """Every SQL function that writes a message applies the same limits (the size cases with
+    postbox.max_headers_bytes = 1000): refused with SQLSTATE 22PB1, the field in the message and
+    in the COLUMN field; within the limit, accepted. A refusal inside a savepoint leaves the rest of
+    the caller's transaction usable."""
+    payload, headers, field, problem = SQL_CASES[case]
+    assert service.receive(conn, consumer="c", message_id="earlier", payload={}).is_new
+    if "limit" in case:
+        conn.execute(f"SET postbox.max_headers_bytes = {HEADERS_LIMIT}")
+    if field is None:
+        assert conn.execute(SQL_CALLS[call], {"p": payload, "h": headers}).fetchone() == ("new",)
+        return
+    with pytest.raises(psycopg.DataError) as info, conn.transaction():
+        conn.execute(SQL_CALLS[call], {"p": payload, "h": headers})
+    assert info.value.sqlstate == "22PB1"
+    assert info.value.diag.column_name == field
+    assert (
+        f"postbox: {field} " in info.value.diag.message_primary and problem in info.value.diag.message_primary
+    )
+    assert conn.info.transaction_status is psycopg.pq.TransactionStatus.INTRANS
+    assert stored(conn) == 1 and conn.execute("SELECT count(*) FROM postbox.outbox").fetchone() == (0,)
+
+
+@pytest.mark.parametrize(
+    ("element", "field"),
+    [
+        ('"sequence": 9223372036854775808', "messages[1].sequence"),
+        ('"sequence": -99999999999999999999', "messages[1].sequence"),
+        ('"schema_version": 2147483648', "messages[1].schema_version"),
+    ],
+    ids=["sequence-2**63", "sequence-very-negative", "schema_version-2**31"],
+)
+def test_json_batch_refuses_integers_out_of_range_by_name(conn, element, field):
+    """The JSON batch form carries integers of any size: one that does not fit its column is
+    refused with 22PB1 naming the element and field, not PostgreSQL's out-of-range error."""
+    batch = '[{"consumer": "c", "message_id": "m", "payload": {}, ' + element + "}]"
+    with pytest.raises(psycopg.DataError) as info:
+        conn.execute("SELECT * FROM postbox.inbox_receive_batch_v1(%s::jsonb)", (batch,))
+    assert info.value.sqlstate == "22PB1" and info.value.diag.column_name == field
+    conn.rollback()
+    assert stored(conn) == 0
+
+
+def test_the_dead_letter_payload_edit_applies_the_payload_checks(conn):
+    """An operator's payload edit is held to the producer's checks: nesting and numbers too."""
+    for payload in (json.dumps(_nested(65)), '{"n": 1e4300}'):
+        with pytest.raises(psycopg.DataError) as info:
+            conn.execute("SELECT postbox.dlq_edit_v1(1, %s::jsonb, 'fix')", (payload,))
+        assert info.value.sqlstate == "22PB1" and info.value.diag.column_name == "payload"
+        conn.rollback()
 
 
 # --- keys ---------------------------------------------------------------------------------------
@@ -250,9 +458,9 @@ def test_over_long_keys_are_refused_before_any_index_sees_them(conn):
         conn, lambda: service.receive(conn, consumer="c", message_id="m", key="🔑" * 300, payload={})
     )
     for key in ("k" * 1025, "🔑" * 300, "k" * 100_000):
-        with pytest.raises(psycopg.errors.InvalidParameterValue) as info:
+        with pytest.raises(psycopg.DataError) as info:
             conn.execute("SELECT * FROM postbox.inbox_receive('c', 'm2', '{}', key => %s)", (key,))
-        assert info.value.diag.column_name == "key"
+        assert info.value.sqlstate == "22PB1" and info.value.diag.column_name == "key"
         conn.rollback()
     assert stored(conn) == 0  # the accepted one was rolled back with the refused ones
 

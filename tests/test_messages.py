@@ -5,11 +5,12 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from service.messages import INBOX_DEFAULTS, InboxMessage, plain_inbox_item
+from service.messages import INBOX_DEFAULTS, InboxMessage, invalid_message_from, plain_inbox_item
 
 _TEXTS = st.one_of(
     st.text(max_size=8),
@@ -20,6 +21,10 @@ _JSON = st.recursive(
         st.none(),
         st.booleans(),
         st.integers(),
+        st.sampled_from([2**63, 2**31, -(2**63)]),
+        # 4299 to 4301 digits (the limit is 4300), built lazily: such an int has no repr
+        st.integers(min_value=4299, max_value=4301).map(lambda digits: 10**digits - 1),
+        st.integers(min_value=4299, max_value=4301).map(lambda digits: 1 - 10**digits),
         st.floats(allow_nan=True, allow_infinity=True),
         _TEXTS,
     ),
@@ -77,6 +82,56 @@ def test_the_usual_message_takes_the_shortcut() -> None:
     assert item is not None and _same(INBOX_DEFAULTS | item, InboxMessage(**fields).batch_item())
     assert plain_inbox_item(fields | {"sequence": True}) is None  # the model refuses a bool sequence
     assert plain_inbox_item(fields | {"payload": {1: "x"}}) is None  # a non-string key
+
+
+def _deep(levels: int) -> Any:
+    value: Any = 1
+    for _ in range(levels - 1):
+        value = [value]
+    return value
+
+
+@pytest.mark.parametrize(
+    ("change", "field"),
+    [
+        ({"sequence": 2**63}, "sequence"),
+        ({"schema_version": 2**31}, "schema_version"),
+        ({"payload": {"n": 10**4300}}, "payload"),
+        ({"payload": _deep(65)}, "payload"),
+        ({"payload": _deep(100_000)}, "payload"),
+        ({"headers": {"h": _deep(64)}}, "headers"),
+    ],
+    ids=[
+        "sequence-2**63",
+        "schema_version-2**31",
+        "10**4300",
+        "65-levels",
+        "100000-levels",
+        "headers-65-levels",
+    ],
+)
+def test_limits_are_the_same_through_the_shortcut_and_the_model(change: dict[str, Any], field: str) -> None:
+    """Out-of-range integers, numbers of more than 4300 digits and nesting deeper than 64 levels
+    are refused by the model naming the field, and never taken by the shortcut; no RecursionError."""
+    fields = {"consumer": "c", "message_id": "m", "payload": {}, **change}
+    assert plain_inbox_item(fields) is None
+    with pytest.raises(ValidationError) as info:
+        InboxMessage(**fields)
+    assert invalid_message_from(info.value).field == field
+
+
+def test_the_limits_themselves_are_accepted() -> None:
+    """64 levels, 4300-digit integers, the largest bigint sequence and integer schema_version."""
+    fields = {
+        "consumer": "c",
+        "message_id": "m",
+        "payload": {"deep": _deep(63), "n": 10**4300 - 1, "m": -(10**4300) + 1},
+        "headers": {"h": _deep(63)},
+        "sequence": 2**63 - 1,
+        "schema_version": 2**31 - 1,
+    }
+    assert plain_inbox_item(fields) is fields
+    assert InboxMessage(**fields).sequence == 2**63 - 1
 
 
 def _same(a: Any, b: Any) -> bool:

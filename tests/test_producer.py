@@ -231,6 +231,10 @@ def test_async_psycopg_and_sqlalchemy(database):
 # --- bad input -------------------------------------------------------------------------------
 
 BAD = [
+    ({"sequence": 2**63}, "sequence"),
+    ({"schema_version": 2**31}, "schema_version"),
+    ({"payload": {"n": 10**5000}}, "payload"),
+    ({"headers": {"n": -(10**4300)}}, "headers"),
     ({"message_id": ""}, "message_id"),
     ({"consumer": ""}, "consumer"),
     ({"key": ""}, "key"),
@@ -283,14 +287,21 @@ SQL_BAD = [
     ("consumer => 'c', message_id => 'm', payload => '{}', sequence => -5", "sequence"),
     ("consumer => 'c', message_id => 'm', payload => '{}', headers => '[]'", "headers"),
     ("consumer => 'c', message_id => 'm', payload => '{}', schema_version => 0", "schema_version"),
+    ("consumer => 'c', message_id => 'm', payload => '{\"n\": 1e4300}'", "payload"),
+    (
+        "consumer => 'c', message_id => 'm', payload => '{}', headers => jsonb_build_object('h', repeat('x', 65536))",
+        "headers",
+    ),
 ]
 
 
 @pytest.mark.parametrize(("args", "field"), SQL_BAD, ids=[f for _, f in SQL_BAD])
 def test_sql_function_rejects_bad_input_naming_the_field(conn, args, field):
-    """Called from plain SQL, bad input fails with SQLSTATE 22023 and the field in the COLUMN field."""
-    with pytest.raises(psycopg.errors.InvalidParameterValue) as info:
+    """Called from plain SQL, bad input fails with SQLSTATE 22PB1 (a psycopg DataError) and the
+    field in the message and in the COLUMN field."""
+    with pytest.raises(psycopg.DataError) as info:
         conn.execute(f"SELECT * FROM postbox.inbox_receive({args})")
+    assert info.value.sqlstate == "22PB1"
     assert info.value.diag.column_name == field
     assert field in info.value.diag.message_primary
 

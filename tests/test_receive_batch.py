@@ -31,6 +31,14 @@ def _inbox(conn: psycopg.Connection[Any], consumer: str) -> list[tuple[Any, ...]
     ).fetchall()
 
 
+def _levels(n: int) -> Any:
+    """A JSON value nested ``n`` levels deep (the value itself is level 1)."""
+    value: Any = 1
+    for _ in range(n - 1):
+        value = [value]
+    return value
+
+
 BATCH = [
     {"message_id": "a1", "key": "a", "payload": {"n": 1}},
     {"message_id": "b1", "key": "b", "payload": {"n": 2}},
@@ -90,6 +98,9 @@ def test_set_path_never_overtakes_queued_messages(conn):
         {"headers": []},
         {"type": 7},
         {"key": "k" * 1025},
+        {"headers": {"h": "x" * 65536}},
+        {"payload": _levels(65)},
+        {"sequence": 2**63},
     ],
     ids=[
         "empty-id",
@@ -101,6 +112,9 @@ def test_set_path_never_overtakes_queued_messages(conn):
         "headers",
         "type",
         "long-key",
+        "headers-over-64KiB",
+        "payload-65-levels",
+        "sequence-2**63",
     ],
 )
 def test_anything_invalid_takes_the_checking_path(conn, change):
@@ -162,11 +176,12 @@ def test_json_batch_matches_the_array_batch(conn):
 
 def test_array_batch_checks_what_python_did_not(conn):
     """The array form called from SQL checks every element too: a missing payload is refused."""
-    with pytest.raises(psycopg.errors.InvalidParameterValue) as info:
+    with pytest.raises(psycopg.DataError) as info:
         conn.execute(
             "SELECT * FROM postbox.inbox_receive_arrays_v1(ARRAY['c', 'c'], ARRAY['m1', 'm2'],"
             " ARRAY['{}'::jsonb, NULL], NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL)"
         )
+    assert info.value.sqlstate == "22PB1"
     assert info.value.diag.column_name == "payload"
 
 
@@ -253,8 +268,9 @@ def test_columns_form_from_sql(conn):
 def test_column_and_array_shapes_are_checked(conn, call, field):
     """Columns of the wrong length (which unnest would silently pad) and missing required values are
     refused with the field named, before anything is written."""
-    with pytest.raises(psycopg.errors.InvalidParameterValue) as info:
+    with pytest.raises(psycopg.DataError) as info:
         conn.execute(f"SELECT * FROM {call}")
+    assert info.value.sqlstate == "22PB1"
     assert info.value.diag.column_name == field
     conn.rollback()
     assert conn.execute("SELECT count(*) FROM postbox.inbox_dedup").fetchone() == (0,)

@@ -8,18 +8,107 @@ LANGUAGE sql STABLE PARALLEL SAFE AS $$
 $$;
 COMMENT ON FUNCTION postbox.max_payload_bytes_v1() IS 'Largest accepted payload (bytes of JSON text): setting postbox.max_payload_bytes, default 1 MiB.';
 
+-- The headers size limit, in bytes of their JSON text (setting postbox.max_headers_bytes). The
+-- default, 64 KiB, is far above what headers carry (trace context, routing, a replay's origin:
+-- well under 1 KiB), and half of what RabbitMQ's default frame (128 KiB) can carry in the one
+-- frame AMQP puts a message's headers in.
+CREATE OR REPLACE FUNCTION postbox.max_headers_bytes_v1() RETURNS bigint
+LANGUAGE sql STABLE PARALLEL SAFE AS $$
+    SELECT coalesce(nullif(current_setting('postbox.max_headers_bytes', true), '')::bigint, 65536)
+$$;
+COMMENT ON FUNCTION postbox.max_headers_bytes_v1() IS 'Largest accepted headers (bytes of JSON text): setting postbox.max_headers_bytes, default 64 KiB.';
+
 -- Producers wake workers with one NOTIFY per transaction and consumer unless this is off.
 CREATE OR REPLACE FUNCTION postbox.notify_enabled_v1() RETURNS boolean
 LANGUAGE sql STABLE PARALLEL SAFE AS $$
     SELECT coalesce(nullif(current_setting('postbox.notify', true), '')::boolean, true)
 $$;
 
--- Raise a bad-input error naming the field (SQLSTATE 22023, error field COLUMN).
+-- Raise a bad-input error naming the field: SQLSTATE 22PB1 (Postbox's own code in class 22, data
+-- exception), the field in the message text and in the error's COLUMN field.
 CREATE OR REPLACE FUNCTION postbox.reject_v1(field text, problem text) RETURNS void
 LANGUAGE plpgsql IMMUTABLE AS $$
 BEGIN
     RAISE EXCEPTION 'postbox: % %', field, problem
-        USING ERRCODE = '22023', COLUMN = field;
+        USING ERRCODE = '22PB1', COLUMN = field;
+END
+$$;
+
+-- What is wrong with a free-form JSON value (a payload or headers), or NULL. value_text is its
+-- JSON text (value::text, which the caller has at hand). Besides the size limit, a value nests at
+-- most 64 levels (the value itself is level 1: {"a": [1]} has 3), and its numbers have at most
+-- 4300 digits before the decimal point (what JSON readers such as Python's read by default: a
+-- worker could not load more). Each walk only runs on a text that can break its rule: 64 levels
+-- take more than 128 bytes, and 4301 digits a run of digits in the text (which PostgreSQL prints
+-- without exponents), found first by a regular expression, much cheaper than a walk.
+CREATE OR REPLACE FUNCTION postbox.json_problem_v1(value jsonb, value_text text, max_bytes bigint, setting text)
+RETURNS text
+LANGUAGE plpgsql IMMUTABLE AS $$
+DECLARE
+    v_bytes bigint := octet_length(value_text);
+BEGIN
+    IF v_bytes > max_bytes THEN
+        RETURN format('is %s bytes, over the limit of %s (%s)', v_bytes, max_bytes, setting);
+    END IF;
+    IF v_bytes > 128 AND jsonb_path_exists(value, 'strict $.**{64}') THEN
+        RETURN 'nests deeper than 64 levels (the value itself is level 1)';
+    END IF;
+    IF v_bytes > 4300 AND value_text ~ '[0-9]{255}'
+       AND jsonb_path_exists(value, 'strict $.** ? (@.type() == "number" && (@ >= 1e4300 || @ <= -1e4300))') THEN
+        RETURN 'has a number with more than 4300 digits before the decimal point';
+    END IF;
+    RETURN NULL;
+END
+$$;
+
+-- Refuse a free-form JSON value that postbox.json_problem_v1 finds wrong, naming the field.
+CREATE OR REPLACE FUNCTION postbox.check_json_v1(value jsonb, value_text text, field text, max_bytes bigint, setting text)
+RETURNS void
+LANGUAGE plpgsql IMMUTABLE AS $$
+DECLARE
+    v_problem text := postbox.json_problem_v1(value, value_text, max_bytes, setting);
+BEGIN
+    IF v_problem IS NOT NULL THEN
+        PERFORM postbox.reject_v1(field, v_problem);
+    END IF;
+END
+$$;
+
+-- Every element of a JSON array of free-form values (a batch's payloads or headers, one per
+-- message) passes postbox.json_problem_v1. Checked on the whole array first: no element's text is
+-- longer than the array's, and an element's level n is the array's n + 1. Only an array over the
+-- size limit has its elements measured one by one.
+CREATE OR REPLACE FUNCTION postbox.json_array_ok_v1(vals jsonb, max_bytes bigint) RETURNS boolean
+LANGUAGE plpgsql IMMUTABLE AS $$
+DECLARE
+    v_text  text := vals::text;
+    v_bytes bigint := octet_length(v_text);
+BEGIN
+    IF v_bytes > max_bytes
+       AND EXISTS (SELECT 1 FROM jsonb_array_elements(vals) AS e WHERE octet_length(e.value::text) > max_bytes) THEN
+        RETURN false;
+    END IF;
+    IF v_bytes > 129 AND jsonb_path_exists(vals, 'strict $.**{65}') THEN
+        RETURN false;
+    END IF;
+    IF v_bytes > 4300 AND v_text ~ '[0-9]{255}'
+       AND jsonb_path_exists(vals, 'strict $.** ? (@.type() == "number" && (@ >= 1e4300 || @ <= -1e4300))') THEN
+        RETURN false;
+    END IF;
+    RETURN true;
+END
+$$;
+
+-- Every element of an array of free-form values passes postbox.json_problem_v1 (NULL elements
+-- too: they are checked elsewhere), each measured as its own text.
+CREATE OR REPLACE FUNCTION postbox.jsonb_values_ok_v1(vals jsonb[], max_bytes bigint) RETURNS boolean
+LANGUAGE plpgsql IMMUTABLE AS $$
+BEGIN
+    RETURN coalesce((SELECT bool_and(octet_length(t.txt) <= max_bytes
+                                     AND (octet_length(t.txt) <= 128 OR NOT jsonb_path_exists(t.v, 'strict $.**{64}'))
+                                     AND (octet_length(t.txt) <= 4300 OR t.txt !~ '[0-9]{255}' OR NOT jsonb_path_exists(
+                                              t.v, 'strict $.** ? (@.type() == "number" && (@ >= 1e4300 || @ <= -1e4300))')))
+                       FROM (SELECT v, v::text AS txt FROM unnest(vals) AS v WHERE v IS NOT NULL) t), true);
 END
 $$;
 

@@ -236,9 +236,9 @@ BEGIN
     IF p_payload IS NULL THEN
         PERFORM postbox.reject_v1('payload', 'is required');
     END IF;
-    IF octet_length(p_payload::text) > postbox.max_payload_bytes_v1() THEN
-        PERFORM postbox.reject_v1('payload', format('is %s bytes, over the limit of %s', octet_length(p_payload::text), postbox.max_payload_bytes_v1()));
-    END IF;
+    -- The checks a producer's payload passes: size, nesting, numbers.
+    PERFORM postbox.check_json_v1(p_payload, p_payload::text, 'payload',
+                                  postbox.max_payload_bytes_v1(), 'postbox.max_payload_bytes');
     SELECT * INTO v_dl FROM postbox.dead_letters WHERE id = p_dead_letter FOR UPDATE;
     IF NOT FOUND THEN
         PERFORM postbox.reject_v1('dead_letter', format('%s does not exist', p_dead_letter));

@@ -22,6 +22,8 @@ DECLARE
     v_key       text   := coalesce(inbox_receive_v1.key, inbox_receive_v1.message_id);
     v_seq       bigint := inbox_receive_v1.sequence;
     v_text      text;
+    v_htext     text;
+    v_bytes     bigint;
     v_hash      bytea;
     v_mode      text;
     v_first     bigint;
@@ -61,10 +63,18 @@ BEGIN
         END IF;
         PERFORM postbox.reject_v1('headers', 'must be a JSON object');
     END IF;
+    -- Payload and headers: size, nesting and numbers (a short text can only break the size limit).
     v_text := inbox_receive_v1.payload::text;
-    IF octet_length(v_text) > postbox.max_payload_bytes_v1() THEN
-        PERFORM postbox.reject_v1('payload', format('is %s bytes, over the limit of %s (postbox.max_payload_bytes)',
-                                                    octet_length(v_text), postbox.max_payload_bytes_v1()));
+    v_bytes := octet_length(v_text);
+    IF v_bytes > 128 OR v_bytes > postbox.max_payload_bytes_v1() THEN
+        PERFORM postbox.check_json_v1(inbox_receive_v1.payload, v_text, 'payload',
+                                      postbox.max_payload_bytes_v1(), 'postbox.max_payload_bytes');
+    END IF;
+    v_htext := inbox_receive_v1.headers::text;
+    v_bytes := octet_length(v_htext);
+    IF v_bytes > 128 OR v_bytes > postbox.max_headers_bytes_v1() THEN
+        PERFORM postbox.check_json_v1(inbox_receive_v1.headers, v_htext, 'headers',
+                                      postbox.max_headers_bytes_v1(), 'postbox.max_headers_bytes');
     END IF;
 
     SELECT c.sequence_mode, c.first_sequence INTO v_mode, v_first
@@ -359,15 +369,16 @@ BEGIN
 END
 $$;
 
--- Every payload is present and within postbox.max_payload_bytes (as JSON text).
+-- Every payload is present and passes postbox.json_problem_v1 (within postbox.max_payload_bytes
+-- as JSON text, nesting, numbers).
 CREATE OR REPLACE FUNCTION postbox.inbox_payloads_ok_v1(payloads jsonb[], n integer) RETURNS boolean
 LANGUAGE plpgsql STABLE AS $$
 BEGIN
     IF payloads IS NULL THEN
         RETURN n = 0;
     END IF;
-    RETURN coalesce((SELECT bool_and(coalesce(octet_length(p::text) <= m.max, false))
-                       FROM unnest(payloads) AS p, (SELECT postbox.max_payload_bytes_v1() AS max) m), true);
+    RETURN array_position(payloads, NULL) IS NULL
+       AND postbox.jsonb_values_ok_v1(payloads, postbox.max_payload_bytes_v1());
 END
 $$;
 
@@ -380,6 +391,7 @@ LANGUAGE sql STABLE AS $$
        AND postbox.inbox_payloads_ok_v1(payloads, coalesce(cardinality(message_ids), 0))
        AND postbox.inbox_fields_ok_v1(message_ids, keys, types, sequences, headers, schema_versions,
                                       correlation_ids, causation_ids, sources)
+       AND (headers IS NULL OR postbox.jsonb_values_ok_v1(headers, postbox.max_headers_bytes_v1()))
 $$;
 
 -- A batch given as arrays, received element by element (inbox_receive_each_v1), which names the
@@ -495,9 +507,10 @@ BEGIN
         cardinality(correlation_ids), cardinality(causation_ids), cardinality(sources)],
         ARRAY['keys', 'types', 'sequences', 'schema_versions', 'correlation_ids', 'causation_ids', 'sources']);
     IF postbox.inbox_consumers_ok_v1(ARRAY[inbox_receive_columns_v1.consumer])
-       -- No element's JSON text is longer than the whole array's: one check covers the usual batch.
-       AND (octet_length(payloads::text) <= postbox.max_payload_bytes_v1()
-            OR postbox.inbox_payloads_ok_v1(v_payloads, v_n))
+       -- Payloads and headers checked on their whole JSON arrays (sizes, nesting, numbers): one
+       -- check covers the usual batch.
+       AND postbox.json_array_ok_v1(payloads, postbox.max_payload_bytes_v1())
+       AND (headers IS NULL OR postbox.json_array_ok_v1(headers, postbox.max_headers_bytes_v1()))
        AND postbox.inbox_fields_ok_v1(message_ids, keys, types, sequences, v_headers, schema_versions,
                                       correlation_ids, causation_ids, sources) THEN
         RETURN QUERY SELECT * FROM postbox.inbox_receive_rows_v1(
@@ -520,7 +533,8 @@ COMMENT ON FUNCTION postbox.inbox_receive_columns_v1(text, text[], jsonb, text[]
 CREATE OR REPLACE FUNCTION postbox.inbox_receive_set_ok_v1(messages jsonb) RETURNS boolean
 LANGUAGE sql STABLE AS $$
     WITH m AS (
-        SELECT e.value AS v, e.value ->> 'consumer' AS consumer, e.value ->> 'message_id' AS message_id
+        SELECT e.value AS v, e.value ->> 'consumer' AS consumer, e.value ->> 'message_id' AS message_id,
+               (e.value -> 'payload')::text AS payload, (e.value -> 'headers')::text AS headers
           FROM jsonb_array_elements(messages) AS e
          WHERE jsonb_typeof(messages) = 'array')
     SELECT coalesce(bool_and(
@@ -551,10 +565,15 @@ LANGUAGE sql STABLE AS $$
                AND coalesce(octet_length(m.v ->> 'causation_id') BETWEEN 1 AND 512, true)
                AND coalesce(octet_length(m.v ->> 'source') BETWEEN 1 AND 512, true)
                AND m.v -> 'payload' IS NOT NULL
-               AND octet_length((m.v -> 'payload')::text) <= postbox.max_payload_bytes_v1()
+               AND octet_length(m.payload) <= postbox.max_payload_bytes_v1()
                AND jsonb_typeof(coalesce(m.v -> 'headers', '{}'::jsonb)) = 'object'
+               AND coalesce(octet_length(m.headers) <= postbox.max_headers_bytes_v1(), true)
+               -- A number of more than 4300 digits is a long run of digits in the text.
+               AND m.payload !~ '[0-9]{255}' AND coalesce(m.headers !~ '[0-9]{255}', true)
                AND (CASE WHEN c.name IS NULL THEN NOT EXISTS (SELECT 1 FROM postbox.consumers d WHERE d.declared)
                          ELSE c.sequence_mode = 'arrival' END)), true)
+           -- Nesting, on the whole array: level n of a payload (0 its top) is the array's n + 2.
+           AND NOT jsonb_path_exists(messages, 'strict $.**{66}')
       FROM m LEFT JOIN postbox.consumers c ON c.name = m.consumer
 $$;
 
@@ -629,6 +648,15 @@ BEGIN
                 PERFORM postbox.reject_v1(format('messages[%s].%s', n, f), 'must be an integer');
             END IF;
         END LOOP;
+        -- Before the casts below, which would fail with PostgreSQL's own out-of-range error.
+        IF (m ->> 'sequence')::numeric NOT BETWEEN -9223372036854775808 AND 9223372036854775807 THEN
+            PERFORM postbox.reject_v1(format('messages[%s].sequence', n),
+                                      'is out of range: at most 9223372036854775807 (a bigint)');
+        END IF;
+        IF (m ->> 'schema_version')::numeric NOT BETWEEN -2147483648 AND 2147483647 THEN
+            PERFORM postbox.reject_v1(format('messages[%s].schema_version', n),
+                                      'is out of range: at most 2147483647 (an integer)');
+        END IF;
         SELECT * INTO r FROM postbox.inbox_receive_v1(
             consumer       => m ->> 'consumer',
             message_id     => m ->> 'message_id',

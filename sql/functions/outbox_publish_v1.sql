@@ -38,10 +38,16 @@ BEGIN
         END IF;
         PERFORM postbox.reject_v1('headers', 'must be a JSON object');
     END IF;
+    -- Payload and headers: size, nesting and numbers (a short text can only break the size limit).
     v_text := outbox_publish_v1.payload::text;
-    IF octet_length(v_text) > postbox.max_payload_bytes_v1() THEN
-        PERFORM postbox.reject_v1('payload', format('is %s bytes, over the limit of %s (postbox.max_payload_bytes)',
-                                                    octet_length(v_text), postbox.max_payload_bytes_v1()));
+    IF octet_length(v_text) > 128 OR octet_length(v_text) > postbox.max_payload_bytes_v1() THEN
+        PERFORM postbox.check_json_v1(outbox_publish_v1.payload, v_text, 'payload',
+                                      postbox.max_payload_bytes_v1(), 'postbox.max_payload_bytes');
+    END IF;
+    v_text := outbox_publish_v1.headers::text;
+    IF octet_length(v_text) > 128 OR octet_length(v_text) > postbox.max_headers_bytes_v1() THEN
+        PERFORM postbox.check_json_v1(outbox_publish_v1.headers, v_text, 'headers',
+                                      postbox.max_headers_bytes_v1(), 'postbox.max_headers_bytes');
     END IF;
     v_key := coalesce(outbox_publish_v1.key, v_mid);
     v_id := nextval('postbox.outbox_id_seq');

@@ -8,6 +8,10 @@ SELECT status, inbox_id FROM postbox.inbox_receive_v1(
     headers => CAST(:headers AS jsonb), schema_version => CAST(:schema_version AS integer),
     correlation_id => :correlation_id, causation_id => :causation_id, source => :source);
 
+-- name: input_limits
+-- The size limits in force for this session (payload, headers), read before sending a large message.
+SELECT postbox.max_payload_bytes_v1(), postbox.max_headers_bytes_v1();
+
 -- name: inbox_receive_batch
 SELECT ordinality, status, inbox_id FROM postbox.inbox_receive_batch_v1(CAST(:messages AS jsonb))
 ORDER BY ordinality;
