@@ -13,6 +13,11 @@ setting, then applied to a handler registry.
     idempotent = true
 
 Precedence: the file overrides what the handlers declare in Python, which overrides the defaults.
+
+Outbound HTTP (HTTP handlers and HTTP destinations) follows ``http_allowed_hosts`` and
+``http_deny_private_networks`` of ``[postbox]`` (or ``POSTBOX_HTTP_…`` variables, which win).
+Every secret the file holds (URL passwords and tokens, secret header values) is registered for
+masking as the file is loaded.
 """
 
 from __future__ import annotations
@@ -20,14 +25,24 @@ from __future__ import annotations
 import dataclasses
 import tomllib
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from service.breaker import BreakerSettings
 from service.errors import ConfigError
 from service.handlers import Registry
 from service.policy import RetryPolicy
+from service.settings import (
+    host_pattern,
+    is_secret_name,
+    outbound_http_from_env,
+    register_secret,
+    register_url_secrets,
+)
+
+if TYPE_CHECKING:
+    from service.http_handlers import OutboundPolicy
 
 __all__ = [
     "ConsumerPolicy",
@@ -171,8 +186,32 @@ class PoliciesConfig(BaseModel):
 
     dedup_retention_seconds: float = Field(default=7 * DAY, gt=0)
     replay_window_seconds: float = Field(default=1 * DAY, ge=0)
+    http_allowed_hosts: tuple[str, ...] = Field(
+        default=(), description="hosts HTTP handlers and destinations may call (empty: any)"
+    )
+    http_deny_private_networks: bool = Field(
+        default=False, description="refuse HTTP requests to non-public addresses"
+    )
     consumers: dict[str, ConsumerPolicy] = Field(default_factory=dict)
     destinations: dict[str, DestinationConfig] = Field(default_factory=dict)
+
+    @field_validator("http_allowed_hosts", mode="before")
+    @classmethod
+    def _hosts_from_text(cls, value: Any) -> Any:
+        if isinstance(value, str):  # "a.example, b.example", as in the environment
+            return [h.strip() for h in value.split(",") if h.strip()]
+        return value
+
+    @field_validator("http_allowed_hosts")
+    @classmethod
+    def _hosts_valid(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        return tuple(host_pattern(h) for h in value)
+
+    def outbound(self) -> OutboundPolicy:
+        """The :class:`service.http_handlers.OutboundPolicy` of these settings."""
+        from service.http_handlers import OutboundPolicy
+
+        return OutboundPolicy(self.http_allowed_hosts, self.http_deny_private_networks)
 
 
 def _errors(error: ValidationError, prefix: str = "") -> str:
@@ -196,8 +235,17 @@ def load_policies(data: dict[str, Any] | Path | None) -> PoliciesConfig:
     section = {
         k: v
         for k, v in data.get("postbox", {}).items()
-        if k in ("dedup_retention_seconds", "replay_window_seconds")
+        if k
+        in (
+            "dedup_retention_seconds",
+            "replay_window_seconds",
+            "http_allowed_hosts",
+            "http_deny_private_networks",
+        )
     }
+    section.update(outbound_http_from_env())
+    _register_secrets(data.get("consumers", {}))
+    _register_secrets(data.get("destinations", {}))
     try:
         config = PoliciesConfig(
             consumers=data.get("consumers", {}), destinations=data.get("destinations", {}), **section
@@ -221,6 +269,22 @@ def load_policies(data: dict[str, Any] | Path | None) -> PoliciesConfig:
     return config
 
 
+def _register_secrets(value: Any, name: str = "") -> None:
+    """Register for masking every secret of a parsed table: URLs' passwords, tokens and secret
+    parameters in any string, and the values of settings and headers named like secrets."""
+    if isinstance(value, dict):
+        for k, v in value.items():
+            _register_secrets(v, str(k))
+    elif isinstance(value, list | tuple):
+        for v in value:
+            _register_secrets(v, name)
+    elif isinstance(value, str):
+        if is_secret_name(name):
+            register_secret(value)
+            register_secret(value.partition(" ")[2])  # "Bearer <token>"
+        register_url_secrets(value)
+
+
 def _secret(env_name: str | None, where: str) -> bytes | None:
     """An HMAC secret read from the environment variable the file names (never from the file)."""
     import os
@@ -230,6 +294,7 @@ def _secret(env_name: str | None, where: str) -> bytes | None:
     value = os.environ.get(env_name)
     if not value:
         raise ConfigError(f"{where}.hmac_secret_env: environment variable {env_name} is not set")
+    register_secret(value)
     return value.encode()
 
 
@@ -247,6 +312,7 @@ def build_transports(config: PoliciesConfig, names: list[str], own_url: str) -> 
     )
     from service.transports.postgres import PostgresTransport
 
+    outbound = config.outbound()
     wanted = names or sorted(config.destinations)
     if not wanted:
         raise ConfigError("no destination: declare [destinations.NAME] in the config file")
@@ -276,7 +342,9 @@ def build_transports(config: PoliciesConfig, names: list[str], own_url: str) -> 
             )
         else:
             secret = _secret(dest.hmac_secret_env, f"destinations.{name}")
-            transports[name] = functools.partial(HttpTransport, dest.url, dest.timeout, secret, dest.headers)
+            transports[name] = functools.partial(
+                HttpTransport, dest.url, dest.timeout, secret, dest.headers, outbound=outbound
+            )
     return transports
 
 
@@ -348,7 +416,12 @@ def configured_handlers(registry: Registry, config: PoliciesConfig, consumer: st
         else:
             secret = _secret(h.hmac_secret_env, where)
             endpoint = HttpEndpoint(
-                h.url, timeout=h.timeout, secret=secret, headers=h.headers, max_concurrency=h.max_concurrency
+                h.url,
+                timeout=h.timeout,
+                secret=secret,
+                headers=h.headers,
+                max_concurrency=h.max_concurrency,
+                outbound=config.outbound(),
             )
             out.add(endpoint, consumer, message_type, idempotent=h.idempotent, timeout=h.timeout + 5.0)
     return out

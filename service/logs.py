@@ -7,6 +7,10 @@ Every message-related line carries, when known: ``consumer`` (or ``destination``
 next to ``ts``, ``level``, ``logger``, ``event`` (a stable snake_case name such as
 ``message_processed``) and ``msg`` (the sentence for humans). Fields are passed with
 ``log.info(..., extra={...})``; any extra field is written.
+
+Secrets never reach a line: the message, every field and the exception text go through
+:func:`service.settings.mask_text` (passwords in URLs, secret query parameters and pairs, and the
+secrets the configuration holds).
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import sys
 from datetime import UTC, datetime
 from typing import IO, Any
 
+from service.settings import mask_text
 from service.tracing import trace_id
 
 __all__ = ["JsonFormatter", "TextFormatter", "configure_logging", "message_fields", "trace_id"]
@@ -43,7 +48,20 @@ def message_fields(message: Any, **more: Any) -> dict[str, Any]:
 
 
 def _extras(record: logging.LogRecord) -> dict[str, Any]:
-    return {k: v for k, v in record.__dict__.items() if k not in _STANDARD and not k.startswith("_")}
+    return {k: _masked(v) for k, v in record.__dict__.items() if k not in _STANDARD and not k.startswith("_")}
+
+
+def _masked(value: Any) -> Any:
+    """``value`` with secrets masked in every string it holds (other values as they are)."""
+    if isinstance(value, str):
+        return mask_text(value)
+    if isinstance(value, int | float | bool) or value is None:
+        return value
+    if isinstance(value, dict):
+        return {k: _masked(v) for k, v in value.items()}
+    if isinstance(value, list | tuple | set | frozenset):
+        return [_masked(v) for v in value]
+    return mask_text(str(value))
 
 
 class JsonFormatter(logging.Formatter):
@@ -55,7 +73,7 @@ class JsonFormatter(logging.Formatter):
             "level": record.levelname.lower(),
             "logger": record.name,
             "event": None,
-            "msg": record.getMessage(),
+            "msg": mask_text(record.getMessage()),
         }
         for k, v in _extras(record).items():
             if v is not None:
@@ -63,7 +81,7 @@ class JsonFormatter(logging.Formatter):
         if entry["event"] is None:
             entry["event"] = record.name.rsplit(".", 1)[-1]
         if record.exc_info:
-            entry["exception"] = self.formatException(record.exc_info)
+            entry["exception"] = mask_text(self.formatException(record.exc_info))
         return json.dumps(entry, default=str, ensure_ascii=False)
 
 
@@ -73,11 +91,11 @@ class TextFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         ts = datetime.fromtimestamp(record.created).strftime("%H:%M:%S.%f")[:-3]
         fields = " ".join(f"{k}={v}" for k, v in _extras(record).items() if v is not None and k != "event")
-        line = f"{ts} {record.levelname:<7} {record.name}  {record.getMessage()}"
+        line = f"{ts} {record.levelname:<7} {record.name}  {mask_text(record.getMessage())}"
         if fields:
             line += f"  {fields}"
         if record.exc_info:
-            line += "\n" + self.formatException(record.exc_info)
+            line += "\n" + mask_text(self.formatException(record.exc_info))
         return line
 
 

@@ -6,7 +6,8 @@ Two kinds of figures:
 - **Process counters and histograms**, updated by the worker, relay, bridge and maintenance as
   things happen (messages processed, failed, retried, dead-lettered; handler, claim and publish
   durations; the circuit breaker's state). Labels are bounded: consumer, destination, message type,
-  error type and classification, never a key or a message id.
+  error type and classification, never a key or a message id (and never a secret: label values
+  pass through :func:`service.settings.mask_text`).
 - **Database gauges** (dead letters open and the oldest one's age, blocked keys, lag, retries in
   flight, relay backlog, stale workers, dead tuples, xmin age): one cheap query
   (``metrics_snapshot`` in ``sql/queries/metrics.sql``) run on a timer by a background thread, never
@@ -41,6 +42,7 @@ from prometheus_client.registry import Collector
 
 from service.clock import Clock, SystemClock
 from service.db import query
+from service.settings import mask_text
 
 __all__ = [
     "REGISTRY",
@@ -204,7 +206,7 @@ def _child(metric: Any, *labels: str) -> Any:
     key = (id(metric), labels)
     child = _children.get(key)
     if child is None:
-        child = _children[key] = metric.labels(*labels)
+        child = _children[key] = metric.labels(*(mask_text(v) for v in labels))
     return child
 
 
@@ -424,13 +426,14 @@ class DatabaseMetrics(Collector):
 
 class MetricsServer:
     """``/metrics`` (Prometheus text format), ``/healthz`` (the process is up) and ``/readyz``
-    (``ready()`` is true: connected and not stopping), on a daemon thread."""
+    (``ready()`` is true: connected and not stopping), on a daemon thread. Listens on this host
+    only unless given another ``host`` (``0.0.0.0``: every interface)."""
 
     def __init__(
         self,
         port: int,
         *,
-        host: str = "0.0.0.0",  # noqa: S104 - scraped from other hosts
+        host: str = "127.0.0.1",
         ready: Callable[[], bool] = lambda: True,
         registry: CollectorRegistry = REGISTRY,
     ) -> None:
@@ -488,7 +491,7 @@ def start_observability(
     url: str,
     *,
     port: int,
-    host: str = "0.0.0.0",  # noqa: S104
+    host: str = "127.0.0.1",
     ready: Callable[[], bool] = lambda: True,
     db_interval: float = 15.0,
     stale_after: float = 30.0,

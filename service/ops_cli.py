@@ -1,13 +1,14 @@
 """Operations commands (``postbox maintain``, ``postbox status``, ``postbox config check``) and the
-observability options every command shares (``--log-format``, ``--log-level``, ``--metrics-port``).
+observability options every command shares (``--log-format``, ``--log-level``, ``--metrics-port``,
+``--metrics-host``).
 
 Registered on the ``postbox`` group by :func:`register_ops_commands`.
 """
 
 from __future__ import annotations
 
+import functools
 import json
-import re
 import sys
 import time
 from collections.abc import Callable
@@ -19,15 +20,37 @@ import psycopg
 from service import cli_context
 from service.errors import ConfigError
 from service.logs import configure_logging
-from service.settings import Settings, load_settings, mask_url
+from service.settings import Settings, load_settings, mask_secrets, mask_text, mask_url
 
-__all__ = ["observability_options", "register_ops_commands", "serve_metrics", "setup_observability"]
+__all__ = [
+    "mask_secrets",
+    "observability_options",
+    "register_ops_commands",
+    "serve_metrics",
+    "setup_observability",
+]
 
 _LEVELS = click.Choice(["debug", "info", "warning", "error"], case_sensitive=False)
 
 
 def observability_options(f: Callable[..., Any]) -> Callable[..., Any]:
-    """The group's options for logs and metrics (also settable as POSTBOX_… variables)."""
+    """The group's options for logs and metrics (also settable as POSTBOX_… variables).
+    ``--metrics-host`` is kept in the context object for :func:`serve_metrics` (the group's own
+    callback does not receive it)."""
+
+    callback = f
+
+    @functools.wraps(callback)
+    def keep_metrics_host(*args: Any, metrics_host: str | None = None, **kwargs: Any) -> Any:
+        click.get_current_context().ensure_object(dict)["metrics_host"] = metrics_host
+        return callback(*args, **kwargs)
+
+    f = click.option(
+        "--metrics-host",
+        default=None,
+        help="Address the metrics endpoint listens on (env POSTBOX_METRICS_HOST; default 127.0.0.1, "
+        "this host only; 0.0.0.0 for every interface).",
+    )(keep_metrics_host)
     f = click.option(
         "--metrics-port",
         type=click.IntRange(0, 65535),
@@ -68,11 +91,13 @@ def serve_metrics(ctx: click.Context, settings: Settings, url: str, ready: Calla
     """Start the metrics endpoint of this process if a port is configured."""
     from service.metrics import start_observability
 
-    port = ctx.ensure_object(dict).get("metrics_port")
+    obj = ctx.find_root().ensure_object(dict)
+    port = obj.get("metrics_port")
+    host = obj.get("metrics_host")
     return start_observability(
         url,
         port=settings.metrics_port if port is None else port,
-        host=settings.metrics_host,
+        host=settings.metrics_host if host is None else host,
         ready=ready,
         db_interval=settings.db_metrics_interval_seconds,
     )
@@ -154,11 +179,11 @@ def status(ctx: click.Context, watch: bool, interval: float, as_json: bool) -> N
         while True:
             data = collect_status(conn)
             if as_json:
-                click.echo(json.dumps(data, default=str))
+                click.echo(json.dumps(mask_secrets(data), default=str))
             else:
                 if watch and sys.stdout.isatty():
                     click.clear()
-                click.echo(render_status(data), nl=False)
+                click.echo(mask_text(render_status(data)), nl=False)
             if not watch:
                 return
             try:
@@ -168,25 +193,6 @@ def status(ctx: click.Context, watch: bool, interval: float, as_json: bool) -> N
 
 
 # --- postbox config check ---------------------------------------------------------------------
-
-_SECRET_NAME = re.compile(
-    r"(password|passwd|secret|token|api_?key|credential|authorization|cookie)", re.IGNORECASE
-)
-_URL_CREDENTIALS = re.compile(r"([a-z][a-z0-9+.\-]*://[^:/@\s]*):([^@\s]*)@", re.IGNORECASE)
-
-
-def mask_secrets(value: Any, name: str = "") -> Any:
-    """``value`` with secrets masked: passwords in URLs, and any value whose name says it is a
-    password, secret, token or key (names ending in ``_env`` hold a variable's name, not a secret)."""
-    if isinstance(value, dict):
-        return {k: mask_secrets(v, str(k)) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [mask_secrets(v, name) for v in value]
-    if _SECRET_NAME.search(name) and not name.endswith("_env") and value not in (None, ""):
-        return "***"
-    if isinstance(value, str):
-        return _URL_CREDENTIALS.sub(r"\1:***@", value)
-    return value
 
 
 @click.group()
@@ -218,7 +224,7 @@ def config_check(ctx: click.Context) -> None:
     click.echo(json.dumps(mask_secrets(effective), indent=2, default=str))
     if errors:
         for e in errors:
-            click.echo(f"postbox: {mask_secrets(e)}", err=True)
+            click.echo(f"postbox: {mask_text(e)}", err=True)
         sys.exit(1)
     click.echo("postbox: configuration is valid", err=True)
 

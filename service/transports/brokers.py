@@ -3,7 +3,9 @@ Redis Streams (XADD) and HTTP webhooks. Each sends the row's ``message_id`` so r
 deduplicate, and its key, type, correlation and causation ids.
 
 Failures become outcomes: a broker that cannot be reached, refuses or times out is transient; a
-message the broker rejects for good (unroutable, too large) is permanent.
+message the broker rejects for good (unroutable, too large) is permanent. Their texts are masked
+(:func:`service.settings.mask_text`): a broker URL's password never reaches a failure record or a
+log line, and each transport registers its URL's secrets when it is made.
 """
 
 from __future__ import annotations
@@ -14,11 +16,15 @@ import json
 import threading
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from service.messages import to_json
 from service.outcomes import Permanent, Transient
+from service.settings import mask_text, register_url_secrets
 from service.transports import OutboxRow
+
+if TYPE_CHECKING:
+    from service.http_handlers import OutboundPolicy
 
 __all__ = ["HttpTransport", "NatsTransport", "RabbitMQTransport", "RedisStreamsTransport", "envelope_headers"]
 
@@ -56,6 +62,7 @@ class RabbitMQTransport:
     """
 
     def __init__(self, url: str, routing_key: str, exchange: str = "", declare_queue: bool = True) -> None:
+        register_url_secrets(url)
         self.url = url
         self.exchange = exchange
         self.routing_key = routing_key
@@ -87,7 +94,11 @@ class RabbitMQTransport:
         import pika.exceptions as px
 
         try:
-            channel = self._ensure()
+            try:
+                channel = self._ensure()
+            except ValueError as error:  # pika refuses the URL (an unknown parameter, a bad value)
+                self.close()
+                return [Permanent(mask_text(f"RabbitMQ URL refused: {error}"))] * len(rows)
             self._returned.clear()
             for row in rows:
                 channel.basic_publish(
@@ -110,7 +121,9 @@ class RabbitMQTransport:
             self._conn.process_data_events(time_limit=0)
         except (px.AMQPError, OSError) as error:
             self.close()
-            return [Transient(f"RabbitMQ unavailable: {type(error).__name__}: {error}")] * len(rows)
+            return [Transient(mask_text(f"RabbitMQ unavailable: {type(error).__name__}: {error}"))] * len(
+                rows
+            )
         return [
             Permanent(f"RabbitMQ could not route it to {self.routing_key!r}")
             if r.message_id in self._returned
@@ -132,6 +145,7 @@ class RedisStreamsTransport:
     def __init__(self, url: str, stream: str, maxlen: int | None = None) -> None:
         import redis
 
+        register_url_secrets(url)
         self.stream = stream
         self.maxlen = maxlen
         self._client = redis.Redis.from_url(url, socket_timeout=5, socket_connect_timeout=5)
@@ -151,9 +165,9 @@ class RedisStreamsTransport:
             pipe.execute()
             return [None] * len(rows)
         except (redis.ConnectionError, redis.TimeoutError) as error:
-            return [Transient(f"Redis unavailable: {error}")] * len(rows)
+            return [Transient(mask_text(f"Redis unavailable: {error}"))] * len(rows)
         except redis.ResponseError as error:
-            return [Permanent(f"Redis refused XADD: {error}")] * len(rows)
+            return [Permanent(mask_text(f"Redis refused XADD: {error}"))] * len(rows)
 
     def close(self) -> None:
         self._client.close()
@@ -165,6 +179,7 @@ class NatsTransport:
     stream is created on first use if it does not exist."""
 
     def __init__(self, url: str, subject: str, stream: str, timeout: float = 5.0) -> None:
+        register_url_secrets(url)
         self.url = url
         self.subject = subject
         self.stream = stream
@@ -206,7 +221,7 @@ class NatsTransport:
                 results.append(None)
             except Exception as error:
                 await self._close()
-                failure = Transient(f"NATS unavailable: {type(error).__name__}: {error}")
+                failure = Transient(mask_text(f"NATS unavailable: {type(error).__name__}: {error}"))
                 results.extend([failure] * (len(rows) - i))
                 break
         return results
@@ -216,7 +231,7 @@ class NatsTransport:
             result: list[BaseException | None] = self._run(self._publish(rows))
             return result
         except Exception as error:
-            return [Transient(f"NATS publish did not complete: {error}")] * len(rows)
+            return [Transient(mask_text(f"NATS publish did not complete: {error}"))] * len(rows)
 
     async def _close(self) -> None:
         nc, self._nc, self._js = self._nc, None, None
@@ -234,7 +249,9 @@ class NatsTransport:
 
 class HttpTransport:
     """POSTs each row to a webhook: ``Idempotency-Key`` is the ``message_id``; with a secret, an
-    HMAC signature as for HTTP handlers. Status codes are classified as for HTTP handlers."""
+    HMAC signature as for HTTP handlers. Status codes are classified as for HTTP handlers, redirects
+    are not followed, and ``outbound`` (the allow-list and private-network settings) applies as
+    for HTTP handlers: a refused host fails each row permanently."""
 
     def __init__(
         self,
@@ -242,17 +259,25 @@ class HttpTransport:
         timeout: float = 10.0,
         secret: bytes | None = None,
         headers: dict[str, str] | None = None,
+        outbound: OutboundPolicy | None = None,
     ) -> None:
         import httpx
+
+        from service.http_handlers import OutboundPolicy, http_client, register_request_secrets
 
         self.url = url
         self.secret = secret
         self.headers = dict(headers or {})
-        self._client = httpx.Client(timeout=httpx.Timeout(timeout))
+        register_request_secrets(url, secret, self.headers)
+        self.outbound = outbound or OutboundPolicy()
+        self._refusal = self.outbound.host_refusal(httpx.URL(url).host)
+        self._client = http_client(timeout, 10, self.outbound)
 
     def publish(self, rows: Sequence[OutboxRow]) -> list[BaseException | None]:
         from service.http_handlers import post, raise_for_response, sign
 
+        if self._refusal is not None:
+            return [Permanent(self._refusal) for _ in rows]
         results: list[BaseException | None] = []
         for row in rows:
             body = to_json(

@@ -16,6 +16,7 @@ from service.errors import InvalidMessage
 from service.messages import InboxMessage, ReceiveResult
 from service.outcomes import Permanent
 from service.producer import receive_many
+from service.settings import register_url_secrets
 from service.transports import OutboxRow
 
 __all__ = ["PostgresTransport"]
@@ -25,6 +26,7 @@ class PostgresTransport:
     """Receives each row into the inbox of ``consumer`` at ``url`` (one transaction per batch)."""
 
     def __init__(self, url: str, consumer: str, source: str | None = None) -> None:
+        register_url_secrets(url)  # masked in every output of this process
         self.url = url
         self.consumer = consumer
         self.source = source
