@@ -254,6 +254,23 @@ def test_every_postbox_command_is_a_real_command(name):
         assert urlsplit(ctx.params["source_url"]).hostname in _depends_on(service)
 
 
+def test_services_serving_metrics_listen_on_every_interface_explicitly():
+    """Metrics listen on 127.0.0.1 by default, which other containers cannot reach: a service that
+    serves them says ``--metrics-host 0.0.0.0`` (or POSTBOX_METRICS_HOST) itself."""
+    serving = []
+    for name in POSTBOX_SERVICES:
+        service = SERVICES[name]
+        group = _parse_postbox(_command(service)).parent
+        assert group is not None
+        env = _environment(service)
+        port = group.params["metrics_port"] or int(env.get("POSTBOX_METRICS_PORT", "0"))
+        if port:
+            serving.append(name)
+            host = group.params["metrics_host"] or env.get("POSTBOX_METRICS_HOST")
+            assert host == "0.0.0.0", f"{name} serves metrics on 127.0.0.1 only"
+    assert serving, "no service serves metrics"
+
+
 @pytest.mark.parametrize(
     "args",
     [

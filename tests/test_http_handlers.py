@@ -16,7 +16,7 @@ import service
 from service.clock import FakeClock
 from service.config import configured_handlers, load_policies
 from service.handlers import Registry
-from service.http_handlers import retry_after_seconds
+from service.http_handlers import OutboundPolicy, retry_after_seconds
 from service.worker import Worker, WorkerSettings
 from tests.helpers import FAST_WORKER, eventually, scalar
 
@@ -62,6 +62,8 @@ class Endpoint:
                 self.send_response(int(status))
                 if retry_after:
                     self.send_header("Retry-After", retry_after)
+                if status.startswith("3"):  # a redirect back here: seen as a second request if followed
+                    self.send_header("Location", f"{endpoint.url}?redirected=1")
                 reply = b'{"ok": true}'
                 self.send_header("Content-Length", str(len(reply)))
                 self.end_headers()
@@ -94,10 +96,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run(db, url: str, *, idempotent: bool, monkeypatch, clock=None, timeout: float = 2.0) -> Worker:
+def run(
+    db, url: str, *, idempotent: bool, monkeypatch, clock=None, timeout: float = 2.0, postbox=None
+) -> Worker:
     monkeypatch.setenv("HOOK_SECRET", SECRET)
     config = load_policies(
         {
+            "postbox": postbox or {},
             "consumers": {
                 "hooks": {
                     "retry": {"strategy": "fixed", "base_delay": 0.05, "max_attempts": 5},
@@ -112,7 +117,7 @@ def run(db, url: str, *, idempotent: bool, monkeypatch, clock=None, timeout: flo
                         }
                     },
                 }
-            }
+            },
         }
     )
     registry = configured_handlers(Registry(), config, "hooks")
@@ -294,3 +299,141 @@ def test_missing_secret_variable_is_a_config_error(monkeypatch):
     )
     with pytest.raises(ConfigError, match="NOPE_SECRET is not set"):
         configured_handlers(Registry(), config, "hooks")
+
+
+# --- redirects and the outbound policy ------------------------------------------------------------
+
+
+def dead_letter(db) -> tuple[str, str]:
+    row = scalar(db.url, "SELECT row(reason, last_error)::text FROM postbox.dead_letters")
+    assert isinstance(row, str), row
+    reason, _, error = row.strip("()").partition(",")
+    return reason, error
+
+
+@pytest.mark.parametrize("status", ["307", "308"])
+def test_redirects_are_never_followed(database, endpoint, monkeypatch, status):
+    """A 3xx answer whose Location points back at the endpoint (307 and 308 would repeat the POST
+    there) is a permanent failure: the Location is never requested."""
+    w = run(database, endpoint.url, idempotent=True, monkeypatch=monkeypatch)
+    try:
+        send(database, "m", [status, "200"])
+        eventually(lambda: settled(database))
+    finally:
+        w.stop()
+        w.join()
+    assert len(endpoint.attempts("m")) == 1
+    reason, error = dead_letter(database)
+    assert reason == "permanent" and f"HTTP {status}" in error
+
+
+@pytest.mark.parametrize("where", ["file", "environment"])
+def test_a_host_outside_the_allow_list_is_refused_permanently_and_never_called(
+    database, endpoint, monkeypatch, where
+):
+    """With http_allowed_hosts set (in the file, or POSTBOX_HTTP_ALLOWED_HOSTS) and the endpoint's
+    host not in it, the message is dead-lettered at its first attempt with an error naming the
+    host and the setting; the endpoint receives nothing."""
+    allowed = ["hooks.example.com", "*.partner.example", "10.0.0.0/8"]
+    if where == "environment":
+        monkeypatch.setenv("POSTBOX_HTTP_ALLOWED_HOSTS", ",".join(allowed))
+    postbox = {"http_allowed_hosts": allowed} if where == "file" else None
+    w = run(database, endpoint.url, idempotent=True, monkeypatch=monkeypatch, postbox=postbox)
+    try:
+        send(database, "m", ["200"])
+        eventually(lambda: settled(database))
+    finally:
+        w.stop()
+        w.join()
+    assert endpoint.attempts("m") == []
+    reason, error = dead_letter(database)
+    assert reason == "permanent"
+    assert "127.0.0.1" in error and "http_allowed_hosts" in error
+
+
+def test_a_host_in_the_allow_list_is_called(database, endpoint, monkeypatch):
+    w = run(
+        database,
+        endpoint.url,
+        idempotent=True,
+        monkeypatch=monkeypatch,
+        postbox={"http_allowed_hosts": ["hooks.example.com", "127.0.0.0/8"]},
+    )
+    try:
+        send(database, "m", ["200"])
+        eventually(lambda: settled(database))
+    finally:
+        w.stop()
+        w.join()
+    assert len(endpoint.attempts("m")) == 1
+    assert scalar(database.url, "SELECT count(*) FROM postbox.dead_letters") == 0
+
+
+def test_private_addresses_are_refused_also_behind_a_name(database, endpoint, monkeypatch):
+    """With http_deny_private_networks, a URL naming ``localhost`` is refused when the name
+    resolves to a loopback address: a permanent failure naming the host, its address and the
+    setting; the endpoint receives nothing."""
+    url = endpoint.url.replace("127.0.0.1", "localhost")
+    w = run(
+        database, url, idempotent=True, monkeypatch=monkeypatch, postbox={"http_deny_private_networks": True}
+    )
+    try:
+        send(database, "m", ["200"])
+        eventually(lambda: settled(database))
+    finally:
+        w.stop()
+        w.join()
+    assert endpoint.attempts("m") == []
+    reason, error = dead_letter(database)
+    assert reason == "permanent"
+    assert "localhost" in error and "http_deny_private_networks" in error
+
+
+def test_local_addresses_are_called_when_private_networks_are_not_denied(database, endpoint, monkeypatch):
+    """The same local endpoint behind ``localhost`` is called with http_deny_private_networks
+    off (the default)."""
+    url = endpoint.url.replace("127.0.0.1", "localhost")
+    w = run(
+        database, url, idempotent=True, monkeypatch=monkeypatch, postbox={"http_deny_private_networks": False}
+    )
+    try:
+        send(database, "m", ["200"])
+        eventually(lambda: settled(database))
+    finally:
+        w.stop()
+        w.join()
+    assert len(endpoint.attempts("m")) == 1
+
+
+def test_allow_list_entries_match_names_wildcards_addresses_and_networks():
+    policy = OutboundPolicy(("Hooks.Example.com", "*.partner.example", "10.0.0.0/8", "::1"))
+    for host in ("hooks.example.com", "HOOKS.example.com.", "a.partner.example", "b.a.partner.example",
+                 "10.2.3.4", "::1", "[::1]"):  # fmt: skip
+        assert policy.host_refusal(host) is None, host
+    for host in (
+        "example.com",
+        "partner.example",
+        "evilpartner.example",
+        "11.0.0.1",
+        "hooks.example.com.evil",
+    ):
+        refusal = policy.host_refusal(host)
+        assert refusal is not None and host.rstrip(".") in refusal and "http_allowed_hosts" in refusal
+    assert OutboundPolicy().host_refusal("anything.example") is None  # off by default
+
+
+def test_private_network_check_refuses_every_non_public_address():
+    policy = OutboundPolicy(deny_private_networks=True)
+    for address in ("127.0.0.1", "10.1.2.3", "172.16.0.1", "192.168.1.1", "169.254.169.254", "100.64.0.1",
+                    "0.0.0.0", "::1", "fd00::1", "fe80::1", "::ffff:127.0.0.1", "224.0.0.1"):  # fmt: skip
+        assert policy.host_refusal(address) is not None, address
+    assert policy.host_refusal("93.184.216.34") is None
+    assert policy.host_refusal("hooks.example.com") is None  # names are checked when connecting
+
+
+@pytest.mark.parametrize("entry", ["https://hooks.example.com", "hooks.example.com:443", "10.0.0.0/33", "*"])
+def test_a_malformed_allow_list_entry_is_a_config_error_naming_it(entry):
+    from service.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="http_allowed_hosts"):
+        load_policies({"postbox": {"http_allowed_hosts": [entry]}})

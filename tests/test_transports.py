@@ -355,3 +355,134 @@ def test_rabbitmq_unroutable_message_is_a_permanent_failure():
     finally:
         t.close()
     assert isinstance(result, Permanent) and "could not route" in str(result)
+
+
+# --- the HTTP transport: redirects, the outbound policy, masked failures ---------------------------
+
+
+class _Webhook:
+    """A local webhook: answers each POST with ``status`` (a 3xx points back at itself, and is
+    seen as a second request if followed) and ``body``; counts what it receives."""
+
+    def __init__(self, status: int = 200, body: str = "") -> None:
+        self.paths: list[str] = []
+        hook = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+            def do_GET(self) -> None:  # where a followed 301, 302 or 303 would go
+                hook.paths.append(self.path)
+                self.send_response(200)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+            def do_POST(self) -> None:
+                self.rfile.read(int(self.headers["Content-Length"]))
+                hook.paths.append(self.path)
+                reply = body.encode()
+                self.send_response(status)
+                if 300 <= status < 400:
+                    self.send_header("Location", f"http://127.0.0.1:{hook.port}/again")
+                self.send_header("Content-Length", str(len(reply)))
+                self.end_headers()
+                self.wfile.write(reply)
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.port = self.server.server_address[1]
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def _row() -> OutboxRow:
+    from datetime import UTC, datetime
+
+    return OutboxRow(1, "d", f"m-{uuid.uuid4().hex[:6]}", "k", None, {}, {}, None, None, datetime.now(UTC), 1)
+
+
+def _publish_once(transport: Transport) -> BaseException | None:
+    try:
+        (result,) = transport.publish([_row()])
+    finally:
+        transport.close()
+    return result
+
+
+@pytest.mark.parametrize("status", [301, 302, 303, 307, 308])
+def test_http_transport_never_follows_a_redirect(status):
+    """A 3xx is a permanent failure of the row; its Location is never requested."""
+    from service.outcomes import Permanent
+
+    hook = _Webhook(status)
+    try:
+        result = _publish_once(HttpTransport(f"http://127.0.0.1:{hook.port}/events", timeout=2))
+    finally:
+        hook.close()
+    assert isinstance(result, Permanent) and f"HTTP {status}" in str(result)
+    assert hook.paths == ["/events"]
+
+
+def _configured(postbox: dict, url: str) -> Transport:
+    """The transport ``postbox relay`` builds for an HTTP destination under these settings."""
+    from service.config import build_transports, load_policies
+
+    config = load_policies({"postbox": postbox, "destinations": {"hook": {"kind": "http", "url": url}}})
+    factory = build_transports(config, ["hook"], "postgresql://unused")["hook"]
+    transport: Transport = factory()
+    return transport
+
+
+@pytest.mark.parametrize(
+    ("postbox", "host", "setting"),
+    [
+        ({"http_allowed_hosts": ["partner.example", "*.hooks.example"]}, "127.0.0.1", "http_allowed_hosts"),
+        ({"http_deny_private_networks": True}, "localhost", "http_deny_private_networks"),
+        ({"http_deny_private_networks": True}, "127.0.0.1", "http_deny_private_networks"),
+    ],
+    ids=["not-allowed", "private-behind-a-name", "private-address"],
+)
+def test_http_destination_refused_by_the_outbound_settings_fails_permanently(postbox, host, setting):
+    """A destination whose host the outbound settings refuse fails each row permanently, with an
+    error naming the host and the setting; the webhook receives nothing."""
+    from service.outcomes import Permanent
+
+    hook = _Webhook()
+    try:
+        result = _publish_once(_configured(postbox, f"http://{host}:{hook.port}/events"))
+    finally:
+        hook.close()
+    assert isinstance(result, Permanent), result
+    assert host in str(result) and setting in str(result)
+    assert hook.paths == []
+
+
+def test_http_destination_in_the_allow_list_is_delivered():
+    hook = _Webhook()
+    try:
+        result = _publish_once(
+            _configured({"http_allowed_hosts": ["127.0.0.1"]}, f"http://127.0.0.1:{hook.port}/e")
+        )
+    finally:
+        hook.close()
+    assert result is None and hook.paths == ["/e"]
+
+
+def test_http_transport_failure_quoting_its_url_is_masked():
+    """A webhook error that quotes the caller's URL (password, token) and its bearer token ends in
+    the failure without any of them."""
+    password, token, bearer = (f"{k}{uuid.uuid4().hex[:12]}" for k in ("pw", "tok", "bearer"))
+    url_shown = f"http://svc:{password}@partner.example/events?token={token}"
+    hook = _Webhook(500, f"upstream {url_shown} said no (Authorization: Bearer {bearer})")
+    try:
+        result = _publish_once(HttpTransport(f"http://127.0.0.1:{hook.port}/events", timeout=2))
+    finally:
+        hook.close()
+    text = str(result)
+    assert "HTTP 500" in text and "svc:***@partner.example" in text
+    assert password not in text and token not in text and bearer not in text
