@@ -4,6 +4,7 @@ and the trace context a handler's outbox events inherit."""
 from __future__ import annotations
 
 import json
+import os
 import signal
 import socket
 import subprocess
@@ -408,3 +409,88 @@ def test_metrics_server_answers_health_and_readiness():
         assert status_of(server.port, "/metrics") == 200
     finally:
         server.stop()
+
+
+def test_log_lines_never_show_secrets_in_either_format():
+    """The message, extra fields and the exception text of a log line are masked in JSON and in
+    text: a URL's password, a secret query parameter, a connection string's password."""
+    import io
+    import logging
+    import uuid
+
+    from service.logs import configure_logging
+
+    marks = [f"logmark{uuid.uuid4().hex[:12]}" for _ in range(4)]
+    log = logging.getLogger("postbox.test")
+    try:
+        for fmt in ("json", "text"):
+            out = io.StringIO()
+            configure_logging(fmt, "info", out)
+            try:
+                raise ConnectionError(f"cannot reach host=db password={marks[3]}")
+            except ConnectionError:
+                log.exception(
+                    "cannot reach postgresql://app:%s@db/app",
+                    marks[0],
+                    extra={"event": "x", "url": f"https://hooks.example/h?token={marks[1]}",
+                           "destinations": [f"amqp://u:{marks[2]}@rabbit/"]},
+                )  # fmt: skip
+            text = out.getvalue()
+            assert "postgresql://app:***@db/app" in text and "token=***" in text
+            assert not [m for m in marks if m in text], text
+    finally:
+        root = logging.getLogger()
+        for handler in [h for h in root.handlers if getattr(h, "_postbox", False)]:
+            root.removeHandler(handler)
+        logging.getLogger("postbox").setLevel(logging.NOTSET)
+
+
+def _listening_addresses(port: int) -> set[str]:
+    """The local addresses TCP sockets listen on at ``port`` (from /proc/net/tcp and tcp6)."""
+    from pathlib import Path
+
+    found = set()
+    for path, family in (("/proc/net/tcp", socket.AF_INET), ("/proc/net/tcp6", socket.AF_INET6)):
+        try:
+            lines = Path(path).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            host_hex, port_hex = fields[1].split(":")
+            if fields[3] != "0A" or int(port_hex, 16) != port:  # 0A: LISTEN
+                continue
+            raw = bytes.fromhex(host_hex)
+            raw = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))  # host byte order words
+            found.add(socket.inet_ntop(family, raw))
+    return found
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/net/tcp"), reason="reads /proc/net/tcp")
+@pytest.mark.parametrize(
+    ("args", "env", "expected"),
+    [
+        ((), {}, {"127.0.0.1"}),
+        (("--metrics-host", "0.0.0.0"), {}, {"0.0.0.0"}),
+        ((), {"POSTBOX_METRICS_HOST": "0.0.0.0"}, {"0.0.0.0"}),
+    ],
+    ids=["default", "flag", "environment"],
+)
+def test_the_metrics_endpoint_listens_on_localhost_unless_told_otherwise(database, args, env, expected):
+    """A real `postbox maintain` serving metrics listens on 127.0.0.1 only by default; the
+    --metrics-host flag or POSTBOX_METRICS_HOST widen it."""
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "service", "--database-url", database.url, "--metrics-port", str(port),
+         *args, "maintain", "--period", "60"],
+        cwd=REPO,
+        env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin", "POSTBOX_DB_METRICS_INTERVAL_SECONDS": "0", **env},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        eventually(lambda: proc.poll() is None and status_of(port, "/healthz") == 200, what="metrics served")
+        assert _listening_addresses(port) == expected
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(30)
