@@ -69,8 +69,9 @@ def _batched(conn: psycopg.Connection[Any], name: str, params: dict[str, Any], s
     total = 0
     for _ in range(s.max_batches):
         with conn.transaction():
-            deleted = conn.execute(query(name).psycopg, {**params, "limit": s.batch_size}).rowcount
-        total += max(deleted, 0)
+            row = conn.execute(query(name).psycopg, {**params, "limit": s.batch_size}).fetchone()
+        deleted = int(row[0]) if row and row[0] is not None else 0  # the function returns its count
+        total += deleted
         if deleted < s.batch_size or stopping.is_set():
             break
     return total

@@ -27,6 +27,7 @@ FUNCTIONS = [
     "functions/dead_letter_ops_v1.sql",
     "functions/replay_v1.sql",
     "functions/operator_aliases_v1.sql",
+    "functions/roles_api_v1.sql",
 ]
 
 # Applied after everything else: grants cover every table and function present.

@@ -37,4 +37,4 @@ SELECT postbox.reap_stale_workers_v1(make_interval(secs => CAST(:stale_after AS 
                                      CAST(:now AS timestamptz));
 
 -- name: worker_unregister
-DELETE FROM postbox.workers WHERE id = :id RETURNING id;
+SELECT postbox.worker_unregister_v1(:id);
