@@ -12,6 +12,7 @@ from pydantic import ValidationError
 
 from service.outcomes import Outcome, Permanent, Retry, UnknownOutcome
 from service.policy import FailureKind
+from service.settings import mask_text
 
 __all__ = [
     "DEFAULT_RULES",
@@ -153,9 +154,9 @@ class Classifier:
         return Classifier(tuple(rules) + tuple(self.rules), self.default)
 
     def classify(self, error: BaseException) -> Classification:
-        tb = "".join(traceback.format_exception(error))
+        tb = mask_text("".join(traceback.format_exception(error)))
         error_type = type(error).__name__
-        message = str(error) or error_type
+        message = mask_text(str(error) or error_type)
         if isinstance(error, Outcome):
             kind = (
                 FailureKind.PERMANENT

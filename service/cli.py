@@ -26,7 +26,7 @@ from service.handlers import Registry
 from service.ops_cli import observability_options, register_ops_commands, serve_metrics, setup_observability
 from service.policy import RetryPolicy
 from service.producer import declare_consumer
-from service.settings import mask_url
+from service.settings import mask_text, mask_url
 from service.sql_handlers import check_function_exists
 from service.worker import Worker, WorkerSettings
 
@@ -443,7 +443,7 @@ def main() -> None:
     try:
         cli(obj=obj)
     except ConfigError as error:
-        click.echo(f"postbox: {error}", err=True)
+        click.echo(f"postbox: {mask_text(str(error))}", err=True)
         sys.exit(2)
     except migrations.SchemaNotReady as error:
         click.echo(f"postbox: {error}", err=True)
@@ -451,7 +451,7 @@ def main() -> None:
     except (psycopg.OperationalError, sqlalchemy.exc.OperationalError) as error:
         orig = getattr(error, "orig", None) or error
         detail = str(orig).strip().splitlines()[0] if str(orig).strip() else type(orig).__name__
-        click.echo(f"postbox: cannot reach the database: {detail}", err=True)
+        click.echo(f"postbox: cannot reach the database: {mask_text(detail)}", err=True)
         sys.exit(1)
     except (psycopg.errors.UndefinedTable, psycopg.errors.UndefinedFunction, psycopg.errors.InvalidSchemaName,
             sqlalchemy.exc.ProgrammingError):  # fmt: skip

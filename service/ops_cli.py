@@ -18,6 +18,7 @@ import click
 import psycopg
 
 from service import cli_context
+from service.cli_context import await_database, connect_timeout_option
 from service.errors import ConfigError
 from service.logs import configure_logging
 from service.settings import Settings, load_settings, mask_secrets, mask_text, mask_url
@@ -116,9 +117,15 @@ def serve_metrics(ctx: click.Context, settings: Settings, url: str, ready: Calla
 )
 @click.option("--once", is_flag=True, help="Run each due job once, then exit (for cron).")
 @click.option("--stale-after", default=30.0, show_default=True, type=click.FloatRange(min=0.02))
+@connect_timeout_option
 @click.pass_context
 def maintain(
-    ctx: click.Context, jobs: tuple[str, ...], period: float | None, once: bool, stale_after: float
+    ctx: click.Context,
+    jobs: tuple[str, ...],
+    period: float | None,
+    once: bool,
+    stale_after: float,
+    connect_timeout: float | None,
 ) -> None:
     """Run the maintenance jobs (retention, dedup pruning, stale workers, key repairs, gap timeouts)
     on their schedule until SIGTERM/SIGINT. Safe to run in several processes: each job runs once
@@ -129,6 +136,7 @@ def maintain(
 
     s = _settings(ctx)
     url = _url(ctx)
+    await_database(url, "maintenance", connect_timeout)
     settings = MaintenanceSettings(
         dedup_retention_seconds=s.dedup_retention_seconds,
         attempts_retention_seconds=s.attempts_retention_seconds,

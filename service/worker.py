@@ -768,6 +768,7 @@ class _Slot:
             else:
                 outcome = error
         finally:
+            self._finish_tasks()
             conn.guard(False)
             with self._lock:
                 self.busy = False
@@ -781,6 +782,29 @@ class _Slot:
         if abandoned:
             raise _Abandoned
         return outcome
+
+    def _finish_tasks(self) -> None:
+        """Cancel what an async handler left running on the slot's loop (fire-and-forget tasks):
+        run later, it would write into another message's transaction."""
+        loop = self._loop
+        if loop is None or loop.is_running() or loop.is_closed():
+            return
+        pending = [t for t in asyncio.all_tasks(loop) if not t.done()]
+        if not pending:
+            return
+        for task in pending:
+            task.cancel()
+        try:
+            loop.run_until_complete(asyncio.wait(pending, timeout=1.0))
+        except BaseException:  # a task that misbehaves while cancelled: never the slot's problem
+            log.warning(
+                "slot %s: a task left by an async handler failed while cancelled", self.index, exc_info=True
+            )
+        log.warning(
+            "slot %s: cancelled %s task(s) an async handler left running (they must finish before it returns)",
+            self.index,
+            len(pending),
+        )
 
     def _event_loop(self) -> asyncio.AbstractEventLoop:
         if self._loop is None:
@@ -1108,7 +1132,12 @@ def _exec(conn: psycopg.Connection[Any], command: bytes, culprit: Message) -> st
 
 
 async def _awaitable(value: Any) -> Any:
-    return await value
+    try:
+        return await value
+    except (SystemExit, KeyboardInterrupt) as error:
+        # Escaping a task, these two stop the event loop and leave its tasks pending, to run in a
+        # later handler's transaction: returned, they fail this attempt only.
+        return error
 
 
 def _log_fields(message: Message, error_type: str | None = None, **more: Any) -> dict[str, Any]:

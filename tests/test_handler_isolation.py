@@ -232,15 +232,20 @@ def test_too_many_stuck_handlers_stop_the_process_for_its_supervisor(db):
     assert scalar(db.url, "SELECT count(*) FROM postbox.inbox WHERE state = 'running'") == 0
 
 
-@pytest.mark.parametrize("misbehaviour", ["exit", "keyboard_interrupt"])
-def test_a_base_exception_in_a_handler_fails_its_attempt_and_the_slot_goes_on(db, misbehaviour):
-    """SystemExit or KeyboardInterrupt raised by a handler is recorded as that attempt's failure;
-    the slot keeps working (no zombie): later messages on other keys are processed."""
-    produce(db.url, ("bad", {"do": misbehaviour, "only_attempt": 1}), ("a", {}))
+@pytest.mark.parametrize(
+    ("misbehaviour", "kind"), [("exit", "sync"), ("keyboard_interrupt", "sync"), ("exit", "async"),
+                               ("keyboard_interrupt", "async")]
+)  # fmt: skip
+def test_a_base_exception_in_a_handler_fails_its_attempt_and_the_slot_goes_on(db, misbehaviour, kind):
+    """SystemExit or KeyboardInterrupt raised by a handler (sync, or async: there it would stop the
+    slot's event loop) is recorded as that attempt's failure; the slot keeps working (no zombie),
+    and nothing of that attempt runs again later in another message's transaction."""
+    typed = {"type": "async"} if kind == "async" else {}
+    produce(db.url, ("bad", {"do": misbehaviour, "only_attempt": 1, **typed}), ("a", typed), ("b", typed))
     p = spawn(db.url)
     try:
         eventually(lambda: live(db.url) == 0, what="batch settled")
-        produce(db.url, ("later", {}))
+        produce(db.url, ("later", typed))
         eventually(lambda: "later" in effects(db.url), what="a later message processed")
         assert p.poll() is None
         assert scalar(db.url, "SELECT count(*) FROM postbox.live_workers") == 1
@@ -248,7 +253,20 @@ def test_a_base_exception_in_a_handler_fails_its_attempt_and_the_slot_goes_on(db
         assert stop(p) == 0
     expected_type = "SystemExit" if misbehaviour == "exit" else "KeyboardInterrupt"
     assert [a[:3] for a in attempts(db.url, "bad")] == [(1, "transient", expected_type)]
-    assert effects(db.url) == {"bad": [2], "a": [1], "later": [1]}
+    assert effects(db.url) == {"bad": [2], "a": [1], "b": [1], "later": [1]}
+
+
+def test_a_task_an_async_handler_leaves_running_never_writes_into_another_message(db):
+    """A fire-and-forget task from an async handler is cancelled when the handler returns: it cannot
+    write into the next message's transaction."""
+    produce(db.url, ("spawner", {"do": "spawn_task", "type": "async"}), ("next", {"do": "await_sleep", "seconds": 0.3,
+            "type": "async"}))  # fmt: skip
+    p = spawn(db.url)
+    try:
+        eventually(lambda: live(db.url) == 0, what="batch settled")
+    finally:
+        assert stop(p) == 0
+    assert effects(db.url) == {"spawner": [1], "next": [1]}
 
 
 def test_a_worker_started_while_the_database_is_down_waits_for_it(db, tmp_path):
@@ -277,6 +295,7 @@ def test_a_worker_started_while_the_database_is_down_waits_for_it(db, tmp_path):
         ("relay",),
         ("bridge", "--from", "amqp://guest:guest@127.0.0.1:5672/%2F", "--name", "q", "--consumer", "mis"),
         ("replay", "run"),
+        ("maintain",),
     ],
     ids=lambda c: c[0],
 )

@@ -521,7 +521,11 @@ def parse_postbox(args: list[str], complete: bool = True) -> click.Context:
     """Parse ``postbox ARGS`` with the real click group, down the chain of subcommands, without
     running anything: unknown commands or options, missing required options and bad values raise
     UsageError. ``complete=False`` only resolves the command chain (an inline mention of a command)."""
-    ctx = cli.make_context("postbox", list(args), resilient_parsing=not complete)
+    try:
+        ctx = cli.make_context("postbox", list(args), resilient_parsing=not complete)
+    except click.exceptions.Exit as done:  # --version, --help: answered at parse time
+        assert done.exit_code == 0, f"postbox {shlex.join(args)}: exit {done.exit_code}"
+        return cli.make_context("postbox", [], resilient_parsing=True)
     command: click.Command = cli
     while isinstance(command, click.Group):
         with warnings.catch_warnings():  # Click 9 will leave the subcommand in ctx.args

@@ -2,7 +2,7 @@
 
 Supported: psycopg ``Connection`` / ``AsyncConnection``, SQLAlchemy ``Session`` / ``AsyncSession``
 and ``Connection`` / ``AsyncConnection`` (any PostgreSQL driver). Postbox never opens, commits or
-rolls back the caller's transaction here. Database errors that report bad input (SQLSTATE 22023
+rolls back the caller's transaction here. Database errors that report bad input (SQLSTATE 22PB1
 with a column) become :class:`service.errors.InvalidMessage`.
 """
 
@@ -48,7 +48,7 @@ def _translated(error_class: type[InvalidRequest] = InvalidMessage) -> Iterator[
         yield
     except (psycopg.Error, DBAPIError) as error:
         sqlstate, column, message = _diag(error)
-        if sqlstate == "22023" and column:
+        if sqlstate == "22PB1" and column:
             problem = message.removeprefix("postbox: ").removeprefix(column).strip()
             raise error_class(column, problem) from error
         raise

@@ -23,6 +23,7 @@ from tests.helpers import record_effect
 CONSUMER = "mis"
 
 registry = Registry()
+_tasks: set[asyncio.Task[None]] = set()
 
 
 def _misbehave(message: Message, ctx: Context) -> None:
@@ -101,6 +102,18 @@ def handle(message: Message, ctx: Context) -> None:
 @registry.handler(CONSUMER, "async")
 async def handle_async(message: Message, ctx: Context) -> None:
     p: dict[str, Any] = message.payload if isinstance(message.payload, dict) else {}
+    if p.get("do") == "spawn_task":  # fire-and-forget: a task that would write after the handler returned
+        record_effect(ctx.conn, message.message_id, message.key, message.sequence, message.attempt)
+
+        async def later() -> None:
+            await asyncio.sleep(0.05)
+            ctx.conn.execute(
+                "INSERT INTO effects (message_id, key, sequence, attempt) VALUES (%s, %s, %s, %s)",
+                (message.message_id + ":task", message.key, message.sequence, message.attempt),
+            )
+
+        _tasks.add(asyncio.get_running_loop().create_task(later()))
+        return
     if p.get("do") == "await_sleep" and p.get("only_attempt", message.attempt) == message.attempt:
         record_effect(ctx.conn, message.message_id, message.key, message.sequence, message.attempt)
         await asyncio.sleep(float(p.get("seconds", 3600)))
