@@ -524,7 +524,8 @@ def parse_postbox(args: list[str], complete: bool = True) -> click.Context:
     try:
         ctx = cli.make_context("postbox", list(args), resilient_parsing=not complete)
     except click.exceptions.Exit as done:  # --version, --help: answered at parse time
-        assert done.exit_code == 0, f"postbox {shlex.join(args)}: exit {done.exit_code}"
+        if done.exit_code != 0:
+            raise AssertionError(f"postbox {shlex.join(args)}: exit {done.exit_code}") from None
         return cli.make_context("postbox", [], resilient_parsing=True)
     command: click.Command = cli
     while isinstance(command, click.Group):
