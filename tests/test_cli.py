@@ -109,33 +109,20 @@ def test_app_modules_are_found_in_the_current_directory(tmp_path, database):
     )
     script = os.path.join(os.path.dirname(sys.executable), "postbox")
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    r = subprocess.run(
-        [
-            script,
-            "--database-url",
-            database.url,
-            "worker",
-            "--consumer",
-            "other",
-            "--app",
-            "myhandlers:registry",
-        ],
-        capture_output=True,
-        text=True,
-        cwd=tmp_path,
-        env=env,
-        timeout=120,
-        check=False,
-    )
+
+    def worker(consumer: str, app: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [script, "--database-url", database.url, "worker", "--consumer", consumer, "--app", app],
+            capture_output=True,
+            text=True,
+            cwd=tmp_path,
+            env=env,
+            timeout=120,
+            check=False,
+        )
+
+    r = worker("other", "myhandlers:registry")
     # Imported: the error is about the consumer, not the module.
     assert r.returncode == 2 and "no handler for consumer 'other'" in r.stderr, r.stderr
-    r = subprocess.run(
-        [script, "--database-url", database.url, "worker", "--consumer", "x", "--app", "nothere:registry"],
-        capture_output=True,
-        text=True,
-        cwd=tmp_path,
-        env=env,
-        timeout=120,
-        check=False,
-    )
+    r = worker("x", "nothere:registry")
     assert r.returncode == 2 and "cannot import nothere" in r.stderr and str(tmp_path) in r.stderr
