@@ -4,6 +4,7 @@ the broker itself (the machine's brokers are shared)."""
 from __future__ import annotations
 
 import contextlib
+import random
 import socket
 import threading
 
@@ -11,19 +12,29 @@ import threading
 class Proxy:
     def __init__(self, target_host: str, target_port: int) -> None:
         self.target = (target_host, target_port)
-        probe = socket.socket()
-        probe.bind(("127.0.0.1", 0))
-        self.port = probe.getsockname()[1]
-        probe.close()
         self._conns: list[socket.socket] = []
         self._lock = threading.Lock()
         self._listener: socket.socket | None = None
-        self.up()
+        # A port below the kernel's ephemeral range: while the proxy is down, an outgoing
+        # connection could otherwise be given its port as a source port and keep it.
+        rng = random.Random()
+        for _ in range(200):
+            self.port = rng.randrange(20000, 32000)
+            try:
+                self.up()
+                return
+            except OSError:
+                continue
+        raise OSError("no free port for the test proxy")
 
     def up(self) -> None:
         s = socket.socket()
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        s.bind(("127.0.0.1", self.port))
+        try:
+            s.bind(("127.0.0.1", self.port))
+        except OSError:
+            s.close()
+            raise
         s.listen(64)
         self._listener = s
         threading.Thread(target=self._accept, args=(s,), daemon=True).start()

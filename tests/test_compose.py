@@ -348,8 +348,8 @@ def test_dockerfile_copies_what_the_package_build_needs_and_dockerignore_keeps_i
 
 
 def _readme_section() -> str:
-    readme = (REPO / "README.md").read_text(encoding="utf-8")
-    return readme.split("\n## Running with docker compose\n", 1)[1].split("\n## ", 1)[0]
+    manual = (REPO / "docs" / "operations.md").read_text(encoding="utf-8")
+    return manual.split("\n## Running with docker compose\n", 1)[1].split("\n## ", 1)[0]
 
 
 def _readme_sql() -> tuple[str, list[str]]:

@@ -1,4 +1,4 @@
-"""README.md is the user's manual, and every snippet in it is exercised here, so it cannot drift.
+"""README.md and the manual in docs/: every snippet in them is exercised here, so they cannot drift.
 
 The fenced code blocks are extracted from the file and each one is run by its language, so a block
 added later is covered without a change here; a block in a language this test does not know fails:
@@ -27,7 +27,7 @@ import tomllib
 import uuid
 import warnings
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -60,10 +60,12 @@ class Snippet:
     text: str
     line: int  # 1-based line of the opening fence (or of the span)
     inline: bool = False
+    source: str = "README.md"  # the file, relative to the repository
 
     @property
     def id(self) -> str:
-        return f"L{self.line}-{'inline-' if self.inline else ''}{self.language or 'none'}"
+        page = "" if self.source == "README.md" else f"{Path(self.source).stem}-"
+        return f"{page}L{self.line}-{'inline-' if self.inline else ''}{self.language or 'none'}"
 
 
 FENCE = re.compile(r"^(?P<indent> {0,3})(?P<fence>`{3,}|~{3,})(?P<info>.*)$")
@@ -94,7 +96,7 @@ def fenced_blocks(text: str) -> list[Snippet]:
             body.append(lines[j])
             j += 1
         else:
-            raise AssertionError(f"README.md:{i + 1}: code fence never closed")
+            raise AssertionError(f"line {i + 1}: code fence never closed")
         language = info.split()[0].lower() if info else ""
         blocks.append(Snippet(language, "\n".join(body) + "\n", i + 1))
         i = j + 1
@@ -137,9 +139,18 @@ def inline_snippets(text: str) -> list[Snippet]:
     return spans
 
 
-README_TEXT = README.read_text(encoding="utf-8")
-BLOCKS = fenced_blocks(README_TEXT)
-INLINE = inline_snippets(README_TEXT)
+# The README and the manual in docs/: every page's snippets are checked the same way.
+PAGES = [README, *sorted((REPO / "docs").glob("*.md"))]
+BLOCKS = [
+    replace(b, source=str(page.relative_to(REPO)))
+    for page in PAGES
+    for b in fenced_blocks(page.read_text(encoding="utf-8"))
+]
+INLINE = [
+    replace(s, source=str(page.relative_to(REPO)))
+    for page in PAGES
+    for s in inline_snippets(page.read_text(encoding="utf-8"))
+]
 
 # --- the README's world: the data its snippets refer to ---------------------------------------
 
@@ -458,7 +469,7 @@ def shell_commands(text: str, first_line: int) -> list[Command]:
             while i < len(lines) and lines[i].strip() != tag:
                 body.append(lines[i])
                 i += 1
-            assert i < len(lines), f"README.md:{number}: here-document {tag} never ends"
+            assert i < len(lines), f"line {number}: here-document {tag} never ends"
             i += 1
             stdin = "\n".join(body) + "\n"
             line = line[: heredoc.start()] + line[heredoc.end() :]
@@ -635,7 +646,7 @@ def psql_sql(words: list[str], stdin: str | None) -> list[str]:
 def check_command(command: Command, snippet: Snippet, db: Callable[[], Database]) -> int:
     """Check one shell command against what it names; returns how many concrete command lines
     (or SQL texts) were checked."""
-    where = f"README.md:{command.line}"
+    where = f"{snippet.source}:{command.line}"
     program, *args = command.words
     if program == "postbox":
         lines = expand_usage(args)
@@ -665,7 +676,7 @@ def check_command(command: Command, snippet: Snippet, db: Callable[[], Database]
 
 
 def check_compose(args: list[str], command: Command, db: Callable[[], Database]) -> int:
-    where = f"README.md:{command.line}"
+    where = f"line {command.line}"
     assert args and args[0] in COMPOSE_SUBCOMMANDS, f"{where}: docker compose {args[:1]}: unknown here"
     subcommand, rest = args[0], args[1:]
     services = compose_services()
@@ -696,7 +707,7 @@ def check_compose(args: list[str], command: Command, db: Callable[[], Database])
 
 def run_shell(snippet: Snippet, db: Callable[[], Database]) -> None:
     commands = shell_commands(snippet.text, snippet.line + (0 if snippet.inline else 1))
-    assert commands, f"README.md:{snippet.line}: no command"
+    assert commands, f"{snippet.source}:{snippet.line}: no command"
     for command in commands:
         assert check_command(command, snippet, db) > 0
 
@@ -748,7 +759,7 @@ def test_a_wrong_command_line_fails_the_check(line, complaint):
 
 def run_python(snippet: Snippet, db: Callable[[], Database]) -> None:
     """Execute the block as a script; ``url`` is the README's world (the blocks connect with it)."""
-    code = compile(snippet.text, f"README.md:{snippet.line}", "exec")
+    code = compile(snippet.text, f"{snippet.source}:{snippet.line}", "exec")
     namespace: dict[str, Any] = {"__name__": "readme"}
     if "url" in code.co_names:
         namespace["url"] = db().url
@@ -759,7 +770,7 @@ def run_toml(snippet: Snippet, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) 
     """Parse the block as a configuration file and validate it as ``postbox --config`` would: the
     settings, the consumer policies and handlers, and the destinations' transports (built, not
     connected; secrets named by ``*_env`` are set for the check)."""
-    where = f"README.md:{snippet.line}"
+    where = f"{snippet.source}:{snippet.line}"
     try:
         data = tomllib.loads(snippet.text)
     except tomllib.TOMLDecodeError as error:
@@ -787,7 +798,7 @@ def exercise(
     snippet: Snippet, db: Callable[[], Database], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Run or check one snippet by its language; an unknown language (or none) fails."""
-    where = f"README.md:{snippet.line}"
+    where = f"{snippet.source}:{snippet.line}"
     if snippet.language == "sql":
         run_sql(db(), snippet.text, where)
     elif snippet.language in SHELL_LANGUAGES:
