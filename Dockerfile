@@ -7,13 +7,15 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1
 
-# Install the package (the wheel carries sql/ and migrations/ as service/_data), then drop the sources.
+# Install the package with the broker clients and HTTP its services use, and psycopg's libpq (the slim
+# image has none); not the embedded PostgreSQL. The wheel carries sql/ and migrations/ as
+# postbox/_data. Then drop the sources.
 WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY service ./service
 COPY sql ./sql
 COPY migrations ./migrations
-RUN pip install . && rm -rf /src
+RUN pip install ".[all,binary]" && rm -rf /src
 
 RUN useradd --system --uid 10001 --user-group --create-home --home-dir /home/postbox postbox
 USER postbox

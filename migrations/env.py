@@ -1,6 +1,6 @@
 """Alembic environment for Postbox.
 
-Online: the connection comes from ``config.attributes["connection"]`` (set by ``service.migrate``)
+Online: the connection comes from ``config.attributes["connection"]`` (set by ``postbox.schema.migrate``)
 or from the ``sqlalchemy.url`` option. Offline (``--sql``): DDL is printed for a DBA to apply.
 """
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 from alembic import context
 from sqlalchemy import create_engine
 
-from service.schema import metadata
+from postbox.schema.declared import metadata
 
 config = context.config
 VERSION_TABLE = "alembic_version"

@@ -7,7 +7,7 @@ Create Date: ${create_date}
 
 from alembic import op
 ${imports if imports else ""}
-from service.migration_sql import run_sql, run_sql_file
+from postbox.schema.apply_sql import run_sql, run_sql_file
 
 revision = ${repr(up_revision)}
 down_revision = ${repr(down_revision)}

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import psycopg
 
-import service
+import postbox
 from tests.helpers import REPO
 
 
@@ -67,7 +67,7 @@ def produce(
                         "payload": payload,
                     }
                 )
-            service.receive_many(conn, msgs)
+            postbox.receive_many(conn, msgs)
             conn.commit()
             with produced.lock:
                 for m in msgs:
@@ -140,7 +140,7 @@ class WorkerPool:
         self.args = [
             sys.executable,
             "-m",
-            "service",
+            "postbox",
             *(["--config", config] if config else []),
             "--database-url",
             url,

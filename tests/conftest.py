@@ -18,7 +18,7 @@ import pytest
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 from pytest_postgresql.janitor import DatabaseJanitor
 
-from service import migrate
+from postbox.schema import migrate
 
 # Postbox processes started by tests log warnings and errors only (unless a test asks for more):
 # several tests read their stderr through a pipe only at the end, and a full pipe would block them.
@@ -67,7 +67,7 @@ def pg_server() -> Server:
     if url:
         params = {k: str(v) for k, v in conninfo_to_dict(url).items() if v is not None}
     else:
-        from service.embedded import embedded_server
+        from postbox.demo.embedded import embedded_server
 
         data = Path(tempfile.gettempdir()) / "postbox-tests-pgdata"
         server = embedded_server(data)

@@ -79,10 +79,10 @@ FAST_WORKER: dict[str, float] = {
 
 
 def spawn_postbox(*args: str, stderr: int = subprocess.DEVNULL) -> subprocess.Popen[bytes]:
-    """Start ``python -m service ARGS`` (the ``postbox`` command) from the repository, output
+    """Start ``python -m postbox ARGS`` (the ``postbox`` command) from the repository, output
     discarded unless ``stderr=subprocess.PIPE``."""
     return subprocess.Popen(
-        [sys.executable, "-m", "service", *args],
+        [sys.executable, "-m", "postbox", *args],
         cwd=REPO,
         env={**os.environ, "PYTHONPATH": str(REPO)},
         stdout=subprocess.DEVNULL,

@@ -7,11 +7,18 @@ import contextlib
 import random
 import socket
 import threading
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+
+from psycopg.conninfo import conninfo_to_dict
 
 
 class Proxy:
     def __init__(self, target_host: str, target_port: int) -> None:
-        self.target = (target_host, target_port)
+        # A host that is a folder is a Unix socket's (libpq's convention), as the embedded
+        # PostgreSQL of `make test` has.
+        self.target: tuple[str, int] | str = (
+            f"{target_host}/.s.PGSQL.{target_port}" if target_host.startswith("/") else (target_host, target_port)
+        )
         self._conns: list[socket.socket] = []
         self._lock = threading.Lock()
         self._listener: socket.socket | None = None
@@ -62,7 +69,12 @@ class Proxy:
             except OSError:
                 return
             try:
-                upstream = socket.create_connection(self.target, timeout=5)
+                if isinstance(self.target, str):
+                    upstream = socket.socket(socket.AF_UNIX)
+                    upstream.settimeout(5)
+                    upstream.connect(self.target)
+                else:
+                    upstream = socket.create_connection(self.target, timeout=5)
                 upstream.settimeout(None)
             except OSError:
                 client.close()
@@ -83,3 +95,14 @@ class Proxy:
             for s in (src, dst):
                 with contextlib.suppress(OSError):
                     s.shutdown(socket.SHUT_RDWR)
+
+
+def database_proxy(url: str) -> tuple[Proxy, str]:
+    """A proxy in front of the database of ``url`` (TCP or Unix socket), and the URL through it."""
+    params = conninfo_to_dict(url)
+    proxy = Proxy(str(params.get("host") or "127.0.0.1"), int(params.get("port") or 5432))
+    parts = urlsplit(url)
+    user = parts.netloc.rpartition("@")[0]
+    query = urlencode([(k, v) for k, v in parse_qsl(parts.query) if k not in ("host", "port")])
+    netloc = f"{user}@127.0.0.1:{proxy.port}" if user else f"127.0.0.1:{proxy.port}"
+    return proxy, urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))

@@ -11,10 +11,10 @@ import unicodedata
 import psycopg
 import pytest
 
-import service
-from service import InvalidMessage
-from service.handlers import Registry
-from service.worker import Worker, WorkerSettings
+import postbox
+from postbox import InvalidMessage
+from postbox.inbox.handlers import Registry
+from postbox.inbox.worker import Worker, WorkerSettings
 from tests.helpers import EFFECTS_DDL, FAST_WORKER, eventually, scalar, spawn_postbox
 
 LIMIT = 1000  # postbox.max_payload_bytes for the limit tests
@@ -30,7 +30,7 @@ def stored(conn: psycopg.Connection) -> int:
 def refused(conn: psycopg.Connection, field: str, **fields: object) -> InvalidMessage:
     """Receive through the Python API, expect InvalidMessage naming ``field`` and nothing written."""
     with pytest.raises(InvalidMessage) as info:
-        service.receive(conn, **{"consumer": "c", "message_id": "m", "payload": {}, **fields})
+        postbox.receive(conn, **{"consumer": "c", "message_id": "m", "payload": {}, **fields})
     assert info.value.field == field, info.value
     assert stored(conn) == 0
     return info.value
@@ -68,7 +68,7 @@ def test_python_payloads_that_are_not_json_are_refused(conn, payload):
     and non-string object keys are refused naming ``payload``. (A ``str`` payload is a JSON string,
     stored as such: Postbox never parses a producer's text as JSON behind its back.)"""
     refused(conn, "payload", payload=payload)
-    assert service.receive(conn, consumer="c", message_id="s", payload='{"amount": 42').is_new
+    assert postbox.receive(conn, consumer="c", message_id="s", payload='{"amount": 42').is_new
     assert conn.execute("SELECT payload FROM postbox.inbox").fetchone()[0] == '{"amount": 42'
 
 
@@ -120,7 +120,7 @@ def test_payload_just_under_at_and_over_the_limit(conn):
     conn.execute(f"SET postbox.max_payload_bytes = {LIMIT}")
     conn.commit()  # a session setting that a later rollback does not undo
     for size in (LIMIT - 1, LIMIT):
-        assert service.receive(conn, consumer="c", message_id=f"py-{size}", payload=_payload_of(size)).is_new
+        assert postbox.receive(conn, consumer="c", message_id=f"py-{size}", payload=_payload_of(size)).is_new
         row = conn.execute(
             "SELECT status FROM postbox.inbox_receive('c', %s, %s::jsonb)",
             (f"sql-{size}", json.dumps(_payload_of(size))),
@@ -128,7 +128,7 @@ def test_payload_just_under_at_and_over_the_limit(conn):
         assert row == ("new",)
     conn.commit()
     error = refused_after(
-        conn, lambda: service.receive(conn, consumer="c", message_id="big", payload=_payload_of(LIMIT + 1))
+        conn, lambda: postbox.receive(conn, consumer="c", message_id="big", payload=_payload_of(LIMIT + 1))
     )
     assert isinstance(error, InvalidMessage) and error.field == "payload"
     assert f"over the limit of {LIMIT}" in error.problem
@@ -178,7 +178,7 @@ def test_worker_memory_stays_bounded_with_ten_mib_payloads(database):
     with database.connect() as c:
         c.execute("SET postbox.max_payload_bytes = 20000000")
         for i in range(3):
-            service.receive(
+            postbox.receive(
                 c,
                 consumer="basic",
                 message_id=f"big-{i}",
@@ -222,7 +222,7 @@ def _nested(levels: int) -> object:
 def kept_transaction(conn: psycopg.Connection, field: str, call) -> InvalidMessage:  # type: ignore[no-untyped-def]
     """``call`` is refused with InvalidMessage naming ``field`` before the round trip: the caller's
     transaction, with a message received earlier in it, stays usable and commits."""
-    assert service.receive(conn, consumer="c", message_id="earlier", payload={}).is_new
+    assert postbox.receive(conn, consumer="c", message_id="earlier", payload={}).is_new
     with pytest.raises(InvalidMessage) as info:
         call()
     assert info.value.field == field, info.value
@@ -234,11 +234,11 @@ def kept_transaction(conn: psycopg.Connection, field: str, call) -> InvalidMessa
 
 
 def _receive(conn, **change):  # type: ignore[no-untyped-def]
-    return lambda: service.receive(conn, **{"consumer": "c", "message_id": "m", "payload": {}, **change})
+    return lambda: postbox.receive(conn, **{"consumer": "c", "message_id": "m", "payload": {}, **change})
 
 
 def _receive_many(conn, consumers=("c", "c"), **change):  # type: ignore[no-untyped-def]
-    return lambda: service.receive_many(
+    return lambda: postbox.receive_many(
         conn,
         [{"consumer": consumers[0], "message_id": "ok", "payload": {}},
          {"consumer": consumers[1], "message_id": "m", "payload": {}, **change}],
@@ -246,11 +246,11 @@ def _receive_many(conn, consumers=("c", "c"), **change):  # type: ignore[no-unty
 
 
 def _publish(conn, **change):  # type: ignore[no-untyped-def]
-    return lambda: service.publish(conn, **{"destination": "d", "payload": {}, **change})
+    return lambda: postbox.publish(conn, **{"destination": "d", "payload": {}, **change})
 
 
 def _publish_many(conn, **change):  # type: ignore[no-untyped-def]
-    return lambda: service.publish_many(
+    return lambda: postbox.publish_many(
         conn, [{"destination": "d", "payload": {}}, {"destination": "d", "payload": {}, **change}]
     )
 
@@ -313,7 +313,7 @@ def test_the_deepest_accepted_value_and_the_largest_integer_are_stored(conn):
     """64 levels and integers of 4300 digits are accepted, through Python and SQL, and read back."""
     big = int("9" * 4300)
     payload = {"deep": _nested(63), "big": big, "small": -big}
-    assert service.receive(conn, consumer="c", message_id="py", payload=payload).is_new
+    assert postbox.receive(conn, consumer="c", message_id="py", payload=payload).is_new
     conn.execute("SELECT * FROM postbox.inbox_receive('c', 'sql', %s::jsonb)", (json.dumps(payload),))
     rows = conn.execute("SELECT payload FROM postbox.inbox ORDER BY id").fetchall()
     assert rows == [(payload,), (payload,)]
@@ -362,7 +362,7 @@ def test_sql_functions_refuse_what_python_refuses_with_22PB1_naming_the_field(co
     in the COLUMN field; within the limit, accepted. A refusal inside a savepoint leaves the rest of
     the caller's transaction usable."""
     payload, headers, field, problem = SQL_CASES[case]
-    assert service.receive(conn, consumer="c", message_id="earlier", payload={}).is_new
+    assert postbox.receive(conn, consumer="c", message_id="earlier", payload={}).is_new
     if "limit" in case:
         conn.execute(f"SET postbox.max_headers_bytes = {HEADERS_LIMIT}")
     if field is None:
@@ -430,7 +430,7 @@ def test_injection_style_and_unicode_variant_keys_are_stored_verbatim(conn):
     """Hostile and Unicode-variant keys are data: stored byte for byte, never normalised (NFC and
     NFD are two keys), each its own key with its own head; Python and SQL alike."""
     for i, key in enumerate(HOSTILE_KEYS):
-        service.receive(conn, consumer="c", message_id=f"py-{i}", key=key, payload={"k": key})
+        postbox.receive(conn, consumer="c", message_id=f"py-{i}", key=key, payload={"k": key})
         conn.execute(
             "SELECT * FROM postbox.inbox_receive('d', %s, %s::jsonb, key => %s)",
             (f"sql-{i}", json.dumps({"k": key}), key),
@@ -449,13 +449,13 @@ def test_injection_style_and_unicode_variant_keys_are_stored_verbatim(conn):
 def test_over_long_keys_are_refused_before_any_index_sees_them(conn):
     """A key of 1024 bytes (UTF-8) is accepted; 1025 bytes, or 300 four-byte characters (1200
     bytes), are refused naming ``key`` with the size; never a btree "index row size" error."""
-    assert service.receive(conn, consumer="c", message_id="ok", key="k" * 1024, payload={}).is_new
+    assert postbox.receive(conn, consumer="c", message_id="ok", key="k" * 1024, payload={}).is_new
     error = refused_after(
-        conn, lambda: service.receive(conn, consumer="c", message_id="m", key="k" * 1025, payload={})
+        conn, lambda: postbox.receive(conn, consumer="c", message_id="m", key="k" * 1025, payload={})
     )
     assert "1025 bytes, over the limit of 1024" in str(error)
     refused_after(
-        conn, lambda: service.receive(conn, consumer="c", message_id="m", key="🔑" * 300, payload={})
+        conn, lambda: postbox.receive(conn, consumer="c", message_id="m", key="🔑" * 300, payload={})
     )
     for key in ("k" * 1025, "🔑" * 300, "k" * 100_000):
         with pytest.raises(psycopg.DataError) as info:
@@ -468,12 +468,12 @@ def test_over_long_keys_are_refused_before_any_index_sees_them(conn):
 def test_same_message_id_with_a_different_payload_is_a_conflict(conn):
     """Same id, same payload: duplicate. Same id, different payload: conflict, nothing written,
     reported through Python, the SQL function and a batch."""
-    assert service.receive(conn, consumer="c", message_id="m", payload={"amount": 42}).is_new
-    assert service.receive(conn, consumer="c", message_id="m", payload={"amount": 42}).is_duplicate
-    assert service.receive(conn, consumer="c", message_id="m", payload={"amount": 43}).is_conflict
+    assert postbox.receive(conn, consumer="c", message_id="m", payload={"amount": 42}).is_new
+    assert postbox.receive(conn, consumer="c", message_id="m", payload={"amount": 42}).is_duplicate
+    assert postbox.receive(conn, consumer="c", message_id="m", payload={"amount": 43}).is_conflict
     row = conn.execute("SELECT status FROM postbox.inbox_receive('c', 'm', '{\"amount\": 44}')").fetchone()
     assert row == ("conflict",)
-    batch = service.receive_many(
+    batch = postbox.receive_many(
         conn,
         [{"consumer": "c", "message_id": "m", "payload": {"amount": 45}},
          {"consumer": "c", "message_id": "n", "payload": {}}],
@@ -522,7 +522,7 @@ def test_valid_json_the_handler_cannot_use_is_dead_lettered_at_attempt_1(databas
         **change,
     }
     with database.connect() as c:
-        service.receive(c, **fields)
+        postbox.receive(c, **fields)
         c.commit()
     w = _run_worker(database.url, reg, "orders")
     try:

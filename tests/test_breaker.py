@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from service.breaker import BreakerSettings, BreakerState, CircuitBreaker
+from postbox.failures.breaker import BreakerSettings, BreakerState, CircuitBreaker
 
 
 class _Clock:

@@ -11,12 +11,12 @@ from datetime import UTC, datetime
 
 import pytest
 
-from service.bridge import Bridge, source_for
-from service.handlers import Registry
-from service.outcomes import Transient
-from service.transports import OutboxRow
-from service.transports.brokers import NatsTransport, RabbitMQTransport, RedisStreamsTransport
-from service.worker import Worker, WorkerSettings
+from postbox.failures.outcomes import Transient
+from postbox.inbox.handlers import Registry
+from postbox.inbox.worker import Worker, WorkerSettings
+from postbox.outbox.bridge import Bridge, source_for
+from postbox.outbox.transports import OutboxRow
+from postbox.outbox.transports.brokers import NatsTransport, RabbitMQTransport, RedisStreamsTransport
 from tests.checker import terminate_backends
 from tests.helpers import FAST_WORKER, eventually, scalar, spawn_postbox
 from tests.test_transports import arrived_by_key
@@ -119,7 +119,7 @@ def test_full_loop_with_failures_and_a_killed_relay(database, tmp_path):
         ctx.conn.execute("INSERT INTO business (message_id, key) VALUES (%s, %s)", (m.message_id, m.key))
         ctx.publish("events", {"done": m.message_id}, key=m.key, message_id=f"evt-{m.message_id}")
 
-    from service.policy import Backoff, RetryPolicy
+    from postbox.failures.policy import Backoff, RetryPolicy
 
     worker = Worker(
         url,

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 import psycopg
 import pytest
 
-from service import migrate
+from postbox.schema import migrate
 from tests.apps.chaos import KINDS
 from tests.chaos.faults import ALL, F4_FAST, F4_IMMEDIATE, MISBEHAVE_TIMEOUT, MISBEHAVING
 from tests.chaos.harness import Fault, run_fault

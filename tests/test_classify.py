@@ -6,9 +6,9 @@ import psycopg
 import pytest
 from pydantic import BaseModel, ValidationError
 
-from service.classify import Classifier, Rule, fingerprint
-from service.outcomes import Permanent, Retry, Transient, UnknownOutcome
-from service.policy import FailureKind
+from postbox.failures.classify import Classifier, Rule, fingerprint
+from postbox.failures.outcomes import Permanent, Retry, Transient, UnknownOutcome
+from postbox.failures.policy import FailureKind
 
 T, P, U = FailureKind.TRANSIENT, FailureKind.PERMANENT, FailureKind.UNKNOWN
 

@@ -11,7 +11,7 @@ from tests.checker import REPO
 
 def postbox(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "service", *args],
+        [sys.executable, "-m", "postbox", *args],
         capture_output=True,
         text=True,
         cwd=REPO,
@@ -104,7 +104,7 @@ def test_app_modules_are_found_in_the_current_directory(tmp_path, database):
     """Like uvicorn and celery, `--app myhandlers:registry` finds myhandlers.py where the command
     runs, without PYTHONPATH (through the installed `postbox` command)."""
     (tmp_path / "myhandlers.py").write_text(
-        "from service.handlers import Registry\nregistry = Registry()\n"
+        "from postbox.inbox.handlers import Registry\nregistry = Registry()\n"
         "@registry.handler('mine')\ndef handle(message, ctx):\n    pass\n"
     )
     script = os.path.join(os.path.dirname(sys.executable), "postbox")

@@ -11,14 +11,15 @@ import sys
 import psycopg
 import pytest
 
-import service
-from service import deadletter, replay
-from service.deadletter import DeadLetterFilter
-from service.errors import InvalidRequest
-from service.handlers import Registry
-from service.outcomes import Permanent
-from service.replay import ReplayOptions, ReplayRunner
-from service.worker import Worker, WorkerSettings
+import postbox
+from postbox.deadletters import ops as deadletter
+from postbox.deadletters import replay
+from postbox.deadletters.ops import DeadLetterFilter
+from postbox.deadletters.replay import ReplayOptions, ReplayRunner
+from postbox.errors import InvalidRequest
+from postbox.failures.outcomes import Permanent
+from postbox.inbox.handlers import Registry
+from postbox.inbox.worker import Worker, WorkerSettings
 from tests.helpers import FAST_WORKER, REPO, eventually, scalar
 
 
@@ -31,9 +32,9 @@ def blocked(database):
     with database.connect() as c:
         for key, bad in (("s1", True), ("s2", True), ("s3", False)):
             for i in (1, 2):
-                service.receive(
+                postbox.receive(
                     c,
-                    service.InboxMessage(
+                    postbox.InboxMessage(
                         consumer="stock",
                         message_id=f"{key}-{i}",
                         key=key,
@@ -179,8 +180,8 @@ def test_consumer_halt_and_resume_are_audited(blocked):
     """An operator halts a consumer (its workers claim nothing) and resumes it; both are audited."""
     with blocked.connect(autocommit=True) as c:
         deadletter.halt_consumer(c, "stock", "ERP maintenance window", "gus")
-        service.receive(
-            c, service.InboxMessage(consumer="stock", message_id="s4-1", key="s4", payload={"n": 1})
+        postbox.receive(
+            c, postbox.InboxMessage(consumer="stock", message_id="s4-1", key="s4", payload={"n": 1})
         )
     w = start(blocked.url)
     try:
@@ -207,16 +208,16 @@ def test_roles_separate_producers_workers_and_operators(blocked):
     with psycopg.connect(url, autocommit=True) as c:
         c.execute("SET ROLE postbox_producer")
         assert (
-            service.receive(
-                c, service.InboxMessage(consumer="stock", message_id="p-1", key="s9", payload={"n": 1})
+            postbox.receive(
+                c, postbox.InboxMessage(consumer="stock", message_id="p-1", key="s9", payload={"n": 1})
             ).status.value
             == "new"
         )
         with c.transaction():
-            service.receive_many(
+            postbox.receive_many(
                 c, [{"consumer": "stock", "message_id": f"p-{i}", "key": "s9", "payload": {}} for i in (2, 3)]
             )
-        service.publish(c, service.OutboxMessage(destination="erp", key="s9", payload={"n": 1}))
+        postbox.publish(c, postbox.OutboxMessage(destination="erp", key="s9", payload={"n": 1}))
         for sql in (
             "SELECT payload FROM postbox.dead_letters",
             "SELECT * FROM postbox.dlq_select('{}')",
@@ -256,7 +257,7 @@ def test_roles_separate_producers_workers_and_operators(blocked):
 
 def cli(url: str, *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "service", "--database-url", url, *args],
+        [sys.executable, "-m", "postbox", "--database-url", url, *args],
         capture_output=True,
         text=True,
         cwd=REPO,
@@ -347,8 +348,8 @@ def test_outbox_dead_letters_replay_in_place_and_settle_when_published(database)
     url = database.url
     with psycopg.connect(url, autocommit=True) as c:
         for n in (1, 2):
-            service.publish(
-                c, service.OutboxMessage(destination="erp", key="k", message_id=f"e{n}", payload={"n": n})
+            postbox.publish(
+                c, postbox.OutboxMessage(destination="erp", key="k", message_id=f"e{n}", payload={"n": n})
             )
         row = c.execute(
             "SELECT id, attempt FROM postbox.outbox_claim_v1('erp', 'relay-1', 10, interval '30 s', now())"

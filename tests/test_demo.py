@@ -9,7 +9,7 @@ import uuid
 import psycopg
 import psycopg.sql
 
-from service.demo import DEMO_MARK, _database, run_demo
+from postbox.demo.scenario import DEMO_MARK, _database, run_demo
 from tests.conftest import _conninfo_url
 
 
@@ -64,7 +64,7 @@ def test_demo_never_drops_a_database_it_did_not_create(database, tmp_path):
         [
             sys.executable,
             "-m",
-            "service",
+            "postbox",
             "--database-url",
             database.url,
             "demo",

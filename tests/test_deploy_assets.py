@@ -7,7 +7,7 @@ import re
 
 import yaml
 
-from service.metrics import exposed_names
+from postbox.operations.metrics import exposed_names
 from tests.helpers import REPO
 
 _METRIC = re.compile(r"\bpostbox_[a-z0-9_]+\b")
@@ -19,7 +19,7 @@ def _used(expr: str) -> set[str]:
 
 def test_alert_rules_parse_and_use_existing_metrics():
     """deploy/prometheus/alerts.yml is valid rule-file YAML; each rule has an alert name, an
-    expression and a severity; every postbox_* series it names is exposed by service.metrics; and
+    expression and a severity; every postbox_* series it names is exposed by postbox.operations.metrics; and
     the alerts OBS-3 and the issue ask for are there."""
     rules = yaml.safe_load((REPO / "deploy/prometheus/alerts.yml").read_text())
     exposed = exposed_names()

@@ -8,14 +8,14 @@ from pathlib import Path
 import psycopg
 import pytest
 
-import service
-from service.breaker import BreakerSettings
-from service.config import apply_policies, check_retention, load_policies
-from service.errors import ConfigError
-from service.handlers import Registry
-from service.outcomes import Permanent, Transient, UnknownOutcome
-from service.policy import Backoff, RetryPolicy
-from service.worker import Worker, WorkerSettings
+import postbox
+from postbox.config.policies import apply_policies, check_retention, load_policies
+from postbox.errors import ConfigError
+from postbox.failures.breaker import BreakerSettings
+from postbox.failures.outcomes import Permanent, Transient, UnknownOutcome
+from postbox.failures.policy import Backoff, RetryPolicy
+from postbox.inbox.handlers import Registry
+from postbox.inbox.worker import Worker, WorkerSettings
 from tests.helpers import FAST_WORKER, eventually, scalar
 
 QUICK = RetryPolicy(strategy=Backoff.EXPONENTIAL_FULL_JITTER, base_delay=0.01, max_delay=0.05, max_attempts=4)
@@ -87,7 +87,7 @@ SEED_MESSAGES = [
 
 def receive_seed(url: str) -> None:
     with psycopg.connect(url) as c:
-        service.receive_many(
+        postbox.receive_many(
             c,
             [
                 {
@@ -211,7 +211,7 @@ def stock_registry(on_dead_letter: str, fail: set[str], kind=Permanent) -> Regis
 
 def receive_stock(url, *mids_keys):
     with psycopg.connect(url) as c:
-        service.receive_many(
+        postbox.receive_many(
             c, [{"consumer": "stock", "message_id": mid, "key": key, "payload": {}} for mid, key in mids_keys]
         )
         c.commit()
@@ -351,7 +351,7 @@ def test_unsupported_schema_version_is_permanent(db):
         pass
 
     with psycopg.connect(db.url) as c:
-        service.receive(c, consumer="stock", message_id="v2", payload={}, schema_version=2)
+        postbox.receive(c, consumer="stock", message_id="v2", payload={}, schema_version=2)
         c.commit()
     w = run(db.url, reg, consumer="stock")
     try:

@@ -12,9 +12,9 @@ from pathlib import Path
 import psycopg
 import pytest
 
-import service
+import postbox
 from tests.helpers import EFFECTS_DDL, eventually, scalar, spawn_postbox
-from tests.proxy import Proxy
+from tests.proxy import database_proxy
 
 TIMEOUT = 1.0
 # What a key may wait past a stuck handler's time limit: the cancel, ABANDON_AFTER, the new slot.
@@ -47,7 +47,7 @@ def produce(url: str, *messages: tuple[str, dict]) -> None:
     """One transaction, so that a worker started afterwards claims them as one batch; each message
     on its own key (its id)."""
     with psycopg.connect(url) as c:
-        service.receive_many(
+        postbox.receive_many(
             c,
             [
                 {"consumer": "mis", "message_id": mid, "key": mid, "payload": payload,
@@ -272,9 +272,8 @@ def test_a_task_an_async_handler_leaves_running_never_writes_into_another_messag
 def test_a_worker_started_while_the_database_is_down_waits_for_it(db, tmp_path):
     """Started while its database refuses connections, the worker logs each try and waits; once the
     database answers it starts and processes messages."""
-    proxy = Proxy("127.0.0.1", 5432)
+    proxy, url = database_proxy(db.url)
     proxy.down()
-    url = db.url.replace(":5432/", f":{proxy.port}/")
     log = tmp_path / "worker.log"
     p = spawn(url, log=log)
     try:
@@ -302,12 +301,12 @@ def test_a_worker_started_while_the_database_is_down_waits_for_it(db, tmp_path):
 def test_connect_timeout_gives_up_with_a_clear_error(db, tmp_path, command):
     """Every long-running process waits for an unreachable database; --connect-timeout bounds the
     wait, then it exits 1 with one line saying why, no traceback."""
-    proxy = Proxy("127.0.0.1", 5432)
+    proxy, url = database_proxy(db.url)
     proxy.down()
     log = tmp_path / "process.log"
     with open(log, "wb") as out:
         p = spawn_postbox(
-            "--database-url", db.url.replace(":5432/", f":{proxy.port}/"), *command, "--connect-timeout", "1.5",
+            "--database-url", url, *command, "--connect-timeout", "1.5",
             stderr=out.fileno(),
         )  # fmt: skip
     assert p.wait(30) == 1

@@ -12,12 +12,12 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import psycopg
 import pytest
 
-import service
-from service.clock import FakeClock
-from service.config import configured_handlers, load_policies
-from service.handlers import Registry
-from service.http_handlers import OutboundPolicy, retry_after_seconds
-from service.worker import Worker, WorkerSettings
+import postbox
+from postbox.clock import FakeClock
+from postbox.config.policies import configured_handlers, load_policies
+from postbox.inbox.handlers import Registry
+from postbox.inbox.http_handlers import OutboundPolicy, retry_after_seconds
+from postbox.inbox.worker import Worker, WorkerSettings
 from tests.helpers import FAST_WORKER, eventually, scalar
 
 SECRET = "s3cret-for-tests"
@@ -133,7 +133,7 @@ def run(
 
 def send(db, message_id: str, script: list[str], **extra) -> None:
     with psycopg.connect(db.url) as c:
-        service.receive(c, consumer="hooks", message_id=message_id, payload={"script": script}, **extra)
+        postbox.receive(c, consumer="hooks", message_id=message_id, payload={"script": script}, **extra)
         c.commit()
 
 
@@ -283,7 +283,7 @@ def test_retry_after_forms():
 
 
 def test_missing_secret_variable_is_a_config_error(monkeypatch):
-    from service.errors import ConfigError
+    from postbox.errors import ConfigError
 
     monkeypatch.delenv("NOPE_SECRET", raising=False)
     config = load_policies(
@@ -433,7 +433,7 @@ def test_private_network_check_refuses_every_non_public_address():
 
 @pytest.mark.parametrize("entry", ["https://hooks.example.com", "hooks.example.com:443", "10.0.0.0/33", "*"])
 def test_a_malformed_allow_list_entry_is_a_config_error_naming_it(entry):
-    from service.errors import ConfigError
+    from postbox.errors import ConfigError
 
     with pytest.raises(ConfigError, match="http_allowed_hosts"):
         load_policies({"postbox": {"http_allowed_hosts": [entry]}})

@@ -21,8 +21,8 @@ import psycopg
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-import service
-from service import InvalidMessage
+import postbox
+from postbox import InvalidMessage
 
 SETTINGS = settings(
     max_examples=80,
@@ -179,7 +179,7 @@ def test_receive_stores_exactly_or_refuses_by_name_before_the_round_trip(conn, p
     message_id = f"m{next(_ids)}"
     before = _rows(conn, "inbox_dedup")
     result = _attempt(
-        lambda: service.receive(conn, consumer="c", message_id=message_id, payload=payload, **fields)
+        lambda: postbox.receive(conn, consumer="c", message_id=message_id, payload=payload, **fields)
     )
     assert _in_transaction(conn)
     if isinstance(result, InvalidMessage):
@@ -212,7 +212,7 @@ def test_receive_stores_exactly_or_refuses_by_name_before_the_round_trip(conn, p
 def test_publish_stores_exactly_or_refuses_by_name_before_the_round_trip(conn, payload, fields):
     """publish: the same property for the outbox."""
     before = _rows(conn, "outbox")
-    outbox_id = _attempt(lambda: service.publish(conn, destination="d", payload=payload, **fields))
+    outbox_id = _attempt(lambda: postbox.publish(conn, destination="d", payload=payload, **fields))
     assert _in_transaction(conn)
     if isinstance(outbox_id, InvalidMessage):
         _refused_by_name(outbox_id, {"payload": payload, **fields})
@@ -244,7 +244,7 @@ def test_receive_many_stores_exactly_or_refuses_the_element_by_name(conn, payloa
     ]
     batch[at % len(batch)].update(fields)
     before = _rows(conn, "inbox_dedup")
-    results = _attempt(lambda: service.receive_many(conn, batch))
+    results = _attempt(lambda: postbox.receive_many(conn, batch))
     assert _in_transaction(conn)
     if isinstance(results, InvalidMessage):
         index, _, field = results.field.partition("].")

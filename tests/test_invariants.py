@@ -117,9 +117,9 @@ def test_poison_message_that_kills_its_worker_ends_dead_lettered(chk_db):
     (attempts_exhausted) instead of crash-looping; its key goes on (skip policy of this consumer)."""
     url = chk_db.url
     with psycopg.connect(url) as c:
-        import service
+        import postbox
 
-        service.receive_many(
+        postbox.receive_many(
             c,
             [
                 {"consumer": "chk", "message_id": "p-0", "key": "k", "sequence": 0, "payload": {}},

@@ -11,10 +11,10 @@ from datetime import timedelta
 import psycopg
 import pytest
 
-import service
-from service.clock import FakeClock
-from service.maintenance import JOBS, Maintenance, MaintenanceSettings
-from service.worker import Worker, WorkerSettings
+import postbox
+from postbox.clock import FakeClock
+from postbox.inbox.worker import Worker, WorkerSettings
+from postbox.operations.maintenance import JOBS, Maintenance, MaintenanceSettings
 from tests.apps.basic import registry as basic_registry
 from tests.helpers import EFFECTS_DDL, FAST_WORKER, eventually, scalar, spawn_postbox
 from tests.test_observability import free_port, scrape, value
@@ -24,7 +24,7 @@ WINDOW = 3600.0
 
 def _receive(url: str, consumer: str, ids: list[str]) -> None:
     with psycopg.connect(url) as c:
-        service.receive_many(
+        postbox.receive_many(
             c, [{"consumer": consumer, "message_id": i, "key": i, "payload": 1} for i in ids]
         )
         c.commit()
@@ -215,10 +215,10 @@ def test_gap_timeouts_stale_workers_and_orphaned_keys(database):
     clock = FakeClock()
     m = Maintenance(url, MaintenanceSettings(stale_after=30), clock=clock)
     with psycopg.connect(url) as c:
-        service.declare_consumer(c, "ledger", sequence_mode="gapless", gap_timeout_seconds=60)
-        service.declare_consumer(c, "basic")
-        service.receive(c, consumer="ledger", message_id="s2", key="acct", sequence=2, payload=1)
-        service.receive(c, consumer="basic", message_id="m", key="k", payload=1)
+        postbox.declare_consumer(c, "ledger", sequence_mode="gapless", gap_timeout_seconds=60)
+        postbox.declare_consumer(c, "basic")
+        postbox.receive(c, consumer="ledger", message_id="s2", key="acct", sequence=2, payload=1)
+        postbox.receive(c, consumer="basic", message_id="m", key="k", payload=1)
         c.commit()
         # A claim (a worker's) notices the missing sequence 1 and records since when the key waits.
         c.execute(

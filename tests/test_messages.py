@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from service.messages import INBOX_DEFAULTS, InboxMessage, invalid_message_from, plain_inbox_item
+from postbox.messages import INBOX_DEFAULTS, InboxMessage, invalid_message_from, plain_inbox_item
 
 _TEXTS = st.one_of(
     st.text(max_size=8),

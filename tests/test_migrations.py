@@ -11,9 +11,9 @@ from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
 from sqlalchemy import create_engine
 
-from service import migrate
-from service.schema import metadata
-from service.settings import sqlalchemy_url
+from postbox.config.settings import sqlalchemy_url
+from postbox.schema import migrate
+from postbox.schema.declared import metadata
 
 
 def _objects(url: str) -> set[tuple[str, str]]:
@@ -72,14 +72,14 @@ def test_upgrade_downgrade_upgrade_round_trip(empty_database):
 
 
 def test_migrations_build_the_declared_schema(database):
-    """Alembic's autogenerate finds no difference between the migrated database and service.schema."""
+    """Alembic's autogenerate finds no difference between the migrated database and postbox.schema.declared."""
     assert _schema_diff(database.url) == []
 
 
 def test_offline_ddl_applies_to_an_empty_database(empty_database):
     """`postbox migrate --sql` prints DDL that a DBA can apply to an empty database as is."""
     out = subprocess.run(
-        [sys.executable, "-m", "service", "migrate", "--sql"],
+        [sys.executable, "-m", "postbox", "migrate", "--sql"],
         capture_output=True,
         text=True,
         check=True,
@@ -105,7 +105,7 @@ def test_offline_ddl_applies_to_an_empty_database(empty_database):
 def test_cli_migrate_applies_and_reports(empty_database):
     """`postbox migrate` upgrades the database named by --database-url and says which revision."""
     result = subprocess.run(
-        [sys.executable, "-m", "service", "--database-url", empty_database.url, "migrate"],
+        [sys.executable, "-m", "postbox", "--database-url", empty_database.url, "migrate"],
         capture_output=True,
         text=True,
         check=True,
@@ -116,7 +116,7 @@ def test_cli_migrate_applies_and_reports(empty_database):
 
 def _postbox(url: str, *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "service", "--database-url", url, *args],
+        [sys.executable, "-m", "postbox", "--database-url", url, *args],
         capture_output=True,
         text=True,
         timeout=60,
@@ -164,10 +164,10 @@ def test_an_unknown_revision_is_refused_by_name(empty_database):
 def test_downgrade_to_base_refuses_to_delete_data_unless_forced_and_removes_the_schema(database):
     """`postbox downgrade base` on a database holding messages says what would be lost and refuses;
     with --force it removes everything Postbox made, schema included."""
-    import service
+    import postbox
 
     with psycopg.connect(database.url) as c:
-        service.receive(c, consumer="c", message_id="m", payload={})
+        postbox.receive(c, consumer="c", message_id="m", payload={})
         c.commit()
     refused = _postbox(database.url, "downgrade", "base")
     assert refused.returncode == 1

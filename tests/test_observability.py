@@ -16,8 +16,8 @@ import psycopg
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-import service
-from service.tracing import child_traceparent, trace_id
+import postbox
+from postbox.operations.tracing import child_traceparent, trace_id
 from tests.helpers import REPO, eventually
 
 TRACE = "0af7651916cd43dd8448eb211c80319c"
@@ -70,7 +70,7 @@ def observed_worker(database, tmp_path):
     port = free_port()
     with log_path.open("wb") as log_file:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "service", "--config", str(config), "--database-url", database.url,
+            [sys.executable, "-m", "postbox", "--config", str(config), "--database-url", database.url,
              "--log-format", "json", "--log-level", "debug", "--metrics-port", str(port),
              "worker", "--consumer", "obs", "--app", "tests.apps.observed:registry",
              "--poll-interval", "0.05", "--heartbeat-interval", "0.3", "--stale-after", "2"],
@@ -99,7 +99,7 @@ def _scenario(url: str) -> None:
         {"message_id": "held-1", "key": "kb", "type": "ok", "payload": {}},
     ]
     with psycopg.connect(url) as conn:
-        service.receive_many(
+        postbox.receive_many(
             conn,
             [{"consumer": "obs", "headers": {"traceparent": TRACEPARENT}, "correlation_id": "checkout-7", **m}
              for m in messages],
@@ -279,10 +279,10 @@ class _Down:
 def test_relay_metrics_count_published_failed_and_dead_lettered(database):
     """A relay counts confirmed rows per destination, failed publishes by error type, and rows it
     dead-letters, with the publish duration histogram per destination."""
-    from service.metrics import REGISTRY
-    from service.policy import Backoff, RetryPolicy
-    from service.relay import Relay, RelaySettings
-    from service.transports.postgres import PostgresTransport
+    from postbox.failures.policy import Backoff, RetryPolicy
+    from postbox.operations.metrics import REGISTRY
+    from postbox.outbox.relay import Relay, RelaySettings
+    from postbox.outbox.transports.postgres import PostgresTransport
 
     def sample(name: str, **labels: str) -> float:
         return REGISTRY.get_sample_value(name, labels) or 0.0
@@ -297,8 +297,8 @@ def test_relay_metrics_count_published_failed_and_dead_lettered(database):
     }
     url = database.url
     with psycopg.connect(url) as c:
-        service.publish_many(c, [{"destination": "next", "key": f"k{i}", "payload": i} for i in range(4)])
-        service.publish_many(c, [{"destination": "down", "key": "d", "payload": 1}])
+        postbox.publish_many(c, [{"destination": "next", "key": f"k{i}", "payload": i} for i in range(4)])
+        postbox.publish_many(c, [{"destination": "down", "key": "d", "payload": 1}])
         c.commit()
     relay = Relay(
         url,
@@ -358,7 +358,7 @@ def test_log_format_auto_is_text_on_a_terminal_and_json_otherwise():
     import io
     import logging
 
-    from service.logs import configure_logging
+    from postbox.operations.logs import configure_logging
 
     log = logging.getLogger("postbox.test")
     tty = _Tty()
@@ -388,7 +388,7 @@ def test_log_format_auto_is_text_on_a_terminal_and_json_otherwise():
 def test_metrics_server_answers_health_and_readiness():
     """/healthz is 200 while the process runs; /readyz follows the readiness check (503 when not
     ready, also when the check raises); other paths are 404."""
-    from service.metrics import MetricsServer
+    from postbox.operations.metrics import MetricsServer
 
     state = {"ready": False}
 
@@ -418,7 +418,7 @@ def test_log_lines_never_show_secrets_in_either_format():
     import logging
     import uuid
 
-    from service.logs import configure_logging
+    from postbox.operations.logs import configure_logging
 
     marks = [f"logmark{uuid.uuid4().hex[:12]}" for _ in range(4)]
     log = logging.getLogger("postbox.test")
@@ -481,7 +481,7 @@ def test_the_metrics_endpoint_listens_on_localhost_unless_told_otherwise(databas
     --metrics-host flag or POSTBOX_METRICS_HOST widen it."""
     port = free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "service", "--database-url", database.url, "--metrics-port", str(port),
+        [sys.executable, "-m", "postbox", "--database-url", database.url, "--metrics-port", str(port),
          *args, "maintain", "--period", "60"],
         cwd=REPO,
         env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin", "POSTBOX_DB_METRICS_INTERVAL_SECONDS": "0", **env},

@@ -9,13 +9,13 @@ import sys
 
 import psycopg
 
-import service
+import postbox
 from tests.helpers import REPO
 
 
-def postbox(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+def run_postbox(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "service", *args],
+        [sys.executable, "-m", "postbox", *args],
         cwd=REPO,
         env={**os.environ, "PYTHONPATH": str(REPO), **(env or {})},
         capture_output=True,
@@ -30,10 +30,10 @@ def test_status_shows_consumers_lag_dead_letters_backlog_and_replays(database):
     dead-letter groups, live processes, and running replays once postbox.replay_jobs exists."""
     url = database.url
     with psycopg.connect(url) as c:
-        service.receive_many(
+        postbox.receive_many(
             c, [{"consumer": "billing", "message_id": f"m{i}", "key": "k", "payload": i} for i in range(3)]
         )
-        service.publish(c, destination="emails", key="k", payload={"x": 1})
+        postbox.publish(c, destination="emails", key="k", payload={"x": 1})
         c.execute(
             """INSERT INTO postbox.dead_letters (origin, origin_id, consumer, message_id, key, position, payload,
                    received_at, attempt, reason, ordering_policy, last_error, fingerprint)
@@ -41,7 +41,7 @@ def test_status_shows_consumers_lag_dead_letters_backlog_and_replays(database):
                        'boom', 'RuntimeError: boom')"""
         )
         c.commit()
-    r = postbox("--database-url", url, "status", "--json")
+    r = run_postbox("--database-url", url, "status", "--json")
     assert r.returncode == 0, r.stderr
     s = json.loads(r.stdout)
     billing = next(x for x in s["consumers"] if x["name"] == "billing")
@@ -60,7 +60,7 @@ def test_status_shows_consumers_lag_dead_letters_backlog_and_replays(database):
             """SELECT postbox.dlq_replay('{"queue": "billing"}', reason => 'fixed')"""
         ).fetchone()[0]
         assert c.execute("SELECT (postbox.replay_step(%s)).state", (job,)).fetchone()[0] == "running"
-    r = postbox("--database-url", url, "status")
+    r = run_postbox("--database-url", url, "status")
     assert r.returncode == 0, r.stderr
     text = r.stdout
     for expected in (
@@ -103,7 +103,7 @@ headers = { "Authorization" = "Bearer tok-abc-123" }
         "POSTBOX_DATABASE_URL": "postgresql://app:db-pw-99@db.internal:5432/app",
         "POSTBOX_METRICS_PORT": "9464",
     }
-    r = postbox("--config", str(config), "config", "check", env=env)
+    r = run_postbox("--config", str(config), "config", "check", env=env)
     out = r.stdout + r.stderr
     assert r.returncode == 0, out
     for secret in ("db-pw-99", "rabbit-pw-42", "tok-abc-123"):
@@ -116,7 +116,7 @@ headers = { "Authorization" = "Bearer tok-abc-123" }
     assert effective["consumers"]["billing"]["retry"] == {"max_attempts": 5}
 
     config.write_text(config.read_text().replace("max_attempts = 5", "max_attempts = 0"))
-    r = postbox("--config", str(config), "config", "check", env={**env, "POSTBOX_LOG_LEVEL": "error"})
+    r = run_postbox("--config", str(config), "config", "check", env={**env, "POSTBOX_LOG_LEVEL": "error"})
     out = r.stdout + r.stderr
     assert r.returncode == 1
     assert "max_attempts" in r.stderr

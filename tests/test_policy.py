@@ -10,7 +10,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from service.policy import Backoff, DeadLetter, FailureKind, RetryAt, RetryPolicy, backoff_delay, decide
+from postbox.failures.policy import (
+    Backoff,
+    DeadLetter,
+    FailureKind,
+    RetryAt,
+    RetryPolicy,
+    backoff_delay,
+    decide,
+)
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
 

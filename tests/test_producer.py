@@ -12,9 +12,9 @@ from sqlalchemy import create_engine, text
 from sqlalchemy.ext.asyncio import create_async_engine
 from sqlalchemy.orm import Session
 
-import service
-from service import InboxMessage, InvalidMessage, ReceiveStatus
-from service.settings import sqlalchemy_url
+import postbox
+from postbox import InboxMessage, InvalidMessage, ReceiveStatus
+from postbox.config.settings import sqlalchemy_url
 
 
 def count(conn, table: str, where: str = "true") -> int:
@@ -24,12 +24,12 @@ def count(conn, table: str, where: str = "true") -> int:
 def test_receive_is_visible_only_after_commit_and_rollback_leaves_nothing(database):
     """A received message is invisible to others until commit; a rollback leaves no trace anywhere."""
     with database.connect() as producer, database.connect(autocommit=True) as observer:
-        r = service.receive(producer, consumer="billing", message_id="m-1", payload={"n": 1})
+        r = postbox.receive(producer, consumer="billing", message_id="m-1", payload={"n": 1})
         assert r.status is ReceiveStatus.NEW
         assert count(observer, "inbox") == 0
         producer.rollback()
         assert count(observer, "inbox") == 0 and count(observer, "inbox_dedup") == 0
-        service.receive(producer, consumer="billing", message_id="m-1", payload={"n": 1})
+        postbox.receive(producer, consumer="billing", message_id="m-1", payload={"n": 1})
         producer.commit()
         assert count(observer, "inbox") == 1 and count(observer, "inbox_dedup") == 1
 
@@ -37,11 +37,11 @@ def test_receive_is_visible_only_after_commit_and_rollback_leaves_nothing(databa
 def test_publish_rolls_back_with_the_callers_transaction(database):
     """An outbox row written in a transaction that rolls back never exists."""
     with database.connect() as producer, database.connect(autocommit=True) as observer:
-        oid = service.publish(producer, destination="orders", payload={"x": 1}, key="o-1")
+        oid = postbox.publish(producer, destination="orders", payload={"x": 1}, key="o-1")
         assert oid > 0
         producer.rollback()
         assert count(observer, "outbox") == 0
-        ids = service.publish_many(
+        ids = postbox.publish_many(
             producer,
             [{"destination": "orders", "payload": {"i": i}, "key": "o-1"} for i in range(3)],
         )
@@ -53,10 +53,10 @@ def test_publish_rolls_back_with_the_callers_transaction(database):
 
 def test_duplicate_and_conflict_are_reported(conn):
     """Same id and payload is a duplicate; same id with another payload is a conflict; nothing new is stored."""
-    first = service.receive(conn, consumer="c", message_id="m", payload={"a": 1, "b": [1, 2]})
-    again = service.receive(conn, consumer="c", message_id="m", payload={"b": [1, 2], "a": 1})
-    other = service.receive(conn, consumer="c", message_id="m", payload={"a": 2})
-    elsewhere = service.receive(conn, consumer="d", message_id="m", payload={"a": 2})
+    first = postbox.receive(conn, consumer="c", message_id="m", payload={"a": 1, "b": [1, 2]})
+    again = postbox.receive(conn, consumer="c", message_id="m", payload={"b": [1, 2], "a": 1})
+    other = postbox.receive(conn, consumer="c", message_id="m", payload={"a": 2})
+    elsewhere = postbox.receive(conn, consumer="d", message_id="m", payload={"a": 2})
     assert first.is_new and again.is_duplicate and other.is_conflict and elsewhere.is_new
     assert again.inbox_id == first.inbox_id == other.inbox_id
     assert count(conn, "inbox") == 2
@@ -64,9 +64,9 @@ def test_duplicate_and_conflict_are_reported(conn):
 
 def test_deduplication_outlives_processing(conn):
     """A redelivery after the message left the inbox (processed) is still a duplicate."""
-    r = service.receive(conn, consumer="c", message_id="m", payload={})
+    r = postbox.receive(conn, consumer="c", message_id="m", payload={})
     conn.execute("DELETE FROM postbox.inbox WHERE id = %s", (r.inbox_id,))
-    assert service.receive(conn, consumer="c", message_id="m", payload={}).is_duplicate
+    assert postbox.receive(conn, consumer="c", message_id="m", payload={}).is_duplicate
     assert count(conn, "inbox") == 0
 
 
@@ -75,11 +75,11 @@ def test_concurrent_receive_of_one_id_has_one_winner(database, first_outcome):
     """Two transactions receive the same id: the second waits for the first, then sees a duplicate
     (first committed) or stores the message itself (first rolled back)."""
     with database.connect() as a, database.connect() as b:
-        assert service.receive(a, consumer="c", message_id="race", payload={"v": 1}).is_new
+        assert postbox.receive(a, consumer="c", message_id="race", payload={"v": 1}).is_new
         result: dict[str, object] = {}
 
         def second() -> None:
-            result["r"] = service.receive(b, consumer="c", message_id="race", payload={"v": 1})
+            result["r"] = postbox.receive(b, consumer="c", message_id="race", payload={"v": 1})
             b.commit()
 
         t = threading.Thread(target=second)
@@ -101,7 +101,7 @@ def test_concurrent_receive_of_one_id_has_one_winner(database, first_outcome):
             a.rollback()
         t.join(10)
         r = result["r"]
-        assert isinstance(r, service.ReceiveResult)
+        assert isinstance(r, postbox.ReceiveResult)
         assert r.status is (ReceiveStatus.DUPLICATE if first_outcome == "commit" else ReceiveStatus.NEW)
         assert count(a, "inbox", "message_id = 'race'") == 1
 
@@ -109,9 +109,9 @@ def test_concurrent_receive_of_one_id_has_one_winner(database, first_outcome):
 def test_keys_order_messages_one_head_per_key(conn):
     """The first message of a key is its head (ready); later ones wait behind it (pending)."""
     for i in range(3):
-        service.receive(conn, consumer="c", message_id=f"k1-{i}", key="k1", payload={"i": i})
-    service.receive(conn, consumer="c", message_id="k2-0", key="k2", payload={})
-    service.receive(conn, consumer="c", message_id="solo", payload={})
+        postbox.receive(conn, consumer="c", message_id=f"k1-{i}", key="k1", payload={"i": i})
+    postbox.receive(conn, consumer="c", message_id="k2-0", key="k2", payload={})
+    postbox.receive(conn, consumer="c", message_id="solo", payload={})
     conn.commit()
     rows = conn.execute("SELECT message_id, key, state FROM postbox.inbox ORDER BY id").fetchall()
     assert rows == [
@@ -128,9 +128,9 @@ def test_pending_message_gets_a_head_if_its_head_finished_before_commit(database
     not leave the producer's message without a head: the commit files a repair, and the next claim
     makes the message its key's head."""
     with database.connect() as producer, database.connect() as worker:
-        service.receive(worker, consumer="c", message_id="h", key="k", payload={})
+        postbox.receive(worker, consumer="c", message_id="h", key="k", payload={})
         worker.commit()
-        service.receive(producer, consumer="c", message_id="next", key="k", payload={})
+        postbox.receive(producer, consumer="c", message_id="next", key="k", payload={})
         ((hid, att),) = worker.execute(
             "SELECT id, attempt FROM postbox.inbox_claim_v1('c', 'w', 10, '1 minute', now())"
         ).fetchall()
@@ -160,7 +160,7 @@ def test_a_new_message_never_overtakes_messages_waiting_for_repair(database):
             " VALUES ('c', 'old', 'k', 1, '{}', 'pending')"
         )
         c.commit()
-        service.receive(c, consumer="c", message_id="new", key="k", payload={})
+        postbox.receive(c, consumer="c", message_id="new", key="k", payload={})
         c.commit()
         rows = c.execute("SELECT message_id, state FROM postbox.inbox ORDER BY position").fetchall()
         assert rows == [("old", "pending"), ("new", "pending")]
@@ -178,11 +178,11 @@ def test_sqlalchemy_session_and_connection(database):
     engine = create_engine(sqlalchemy_url(database.url))
     try:
         with Session(engine) as session:
-            assert service.receive(session, consumer="c", message_id="s1", payload={"a": 1}).is_new
-            service.publish(session, destination="d", payload={"a": 1})
+            assert postbox.receive(session, consumer="c", message_id="s1", payload={"a": 1}).is_new
+            postbox.publish(session, destination="d", payload={"a": 1})
             session.rollback()
-            assert service.receive(session, consumer="c", message_id="s1", payload={"a": 1}).is_new
-            results = service.receive_many(
+            assert postbox.receive(session, consumer="c", message_id="s1", payload={"a": 1}).is_new
+            results = postbox.receive_many(
                 session,
                 [
                     InboxMessage(consumer="c", message_id="s1", payload={"a": 1}),
@@ -192,7 +192,7 @@ def test_sqlalchemy_session_and_connection(database):
             assert [r.status for r in results] == [ReceiveStatus.DUPLICATE, ReceiveStatus.NEW]
             session.commit()
         with engine.begin() as connection:
-            assert service.receive(connection, consumer="c", message_id="s3", payload=None).is_new
+            assert postbox.receive(connection, consumer="c", message_id="s3", payload=None).is_new
             assert connection.execute(text("SELECT count(*) FROM postbox.inbox")).scalar() == 3
     finally:
         engine.dispose()
@@ -204,20 +204,20 @@ def test_async_psycopg_and_sqlalchemy(database):
 
     async def scenario() -> None:
         async with await psycopg.AsyncConnection.connect(database.url) as aconn:
-            r = await service.receive_async(aconn, consumer="c", message_id="a1", payload={"x": 1})
+            r = await postbox.receive_async(aconn, consumer="c", message_id="a1", payload={"x": 1})
             assert r.is_new
-            await service.publish_async(aconn, destination="d", payload={})
+            await postbox.publish_async(aconn, destination="d", payload={})
             await aconn.rollback()
-            many = await service.receive_many_async(
+            many = await postbox.receive_many_async(
                 aconn, [{"consumer": "c", "message_id": f"a{i}", "payload": i} for i in range(3)]
             )
             assert all(m.is_new for m in many)
-            assert len(await service.publish_many_async(aconn, [{"destination": "d", "payload": 1}])) == 1
+            assert len(await postbox.publish_many_async(aconn, [{"destination": "d", "payload": 1}])) == 1
             await aconn.commit()
         engine = create_async_engine(sqlalchemy_url(database.url))
         try:
             async with AsyncSession(engine) as session:
-                r = await service.receive_async(session, consumer="c", message_id="a0", payload=0)
+                r = await postbox.receive_async(session, consumer="c", message_id="a0", payload=0)
                 assert r.is_duplicate
                 await session.commit()
         finally:
@@ -260,7 +260,7 @@ def test_python_api_rejects_bad_input_naming_the_field(conn, change, field):
     """Bad input raises InvalidMessage naming the field, and nothing is written."""
     fields = {"consumer": "c", "message_id": "m", "payload": {"ok": True}, **change}
     with pytest.raises(InvalidMessage) as info:
-        service.receive(conn, **fields)
+        postbox.receive(conn, **fields)
     assert info.value.field == field
     assert count(conn, "inbox") == 0 and count(conn, "inbox_dedup") == 0
 
@@ -268,7 +268,7 @@ def test_python_api_rejects_bad_input_naming_the_field(conn, change, field):
 def test_batch_errors_name_the_element(conn):
     """In a batch, the error names the element and field; nothing of the batch is written."""
     with pytest.raises(InvalidMessage) as info:
-        service.receive_many(
+        postbox.receive_many(
             conn,
             [
                 {"consumer": "c", "message_id": "ok", "payload": 1},
@@ -320,31 +320,31 @@ def test_non_json_payload_is_refused_by_sql(conn):
 def test_payload_limit_is_configurable(conn):
     """Payloads over postbox.max_payload_bytes are refused with the field named; the limit is a setting."""
     conn.execute("SET postbox.max_payload_bytes = 100")
-    service.receive(conn, consumer="c", message_id="fits", payload="x" * 90)
+    postbox.receive(conn, consumer="c", message_id="fits", payload="x" * 90)
     with pytest.raises(InvalidMessage) as info:
-        service.receive(conn, consumer="c", message_id="big", payload="x" * 200)
+        postbox.receive(conn, consumer="c", message_id="big", payload="x" * 200)
     assert info.value.field == "payload" and "over the limit of 100" in info.value.problem
     conn.rollback()
     with pytest.raises(InvalidMessage) as info:
-        service.receive(conn, consumer="c", message_id="big", payload="x" * 1_100_000)
+        postbox.receive(conn, consumer="c", message_id="big", payload="x" * 1_100_000)
     assert info.value.field == "payload"  # the default limit is 1 MiB
 
 
 def test_unknown_consumer_is_refused_once_consumers_are_declared(conn):
     """Undeclared consumers are accepted until the first declaration; then they are refused."""
-    assert service.receive(conn, consumer="anything", message_id="1", payload={}).is_new
-    service.declare_consumer(conn, "billing")
+    assert postbox.receive(conn, consumer="anything", message_id="1", payload={}).is_new
+    postbox.declare_consumer(conn, "billing")
     with pytest.raises(InvalidMessage) as info:
-        service.receive(conn, consumer="anything", message_id="2", payload={})
+        postbox.receive(conn, consumer="anything", message_id="2", payload={})
     assert info.value.field == "consumer" and "not a declared consumer" in info.value.problem
     conn.rollback()
 
 
 def test_sequenced_consumer_requires_sequence(conn):
     """A consumer in monotonic or gapless mode refuses a message without a sequence."""
-    service.declare_consumer(conn, "ledger", sequence_mode="gapless")
+    postbox.declare_consumer(conn, "ledger", sequence_mode="gapless")
     with pytest.raises(InvalidMessage) as info:
-        service.receive(conn, consumer="ledger", message_id="1", payload={})
+        postbox.receive(conn, consumer="ledger", message_id="1", payload={})
     assert info.value.field == "sequence"
 
 
@@ -353,9 +353,9 @@ def test_keys_are_compared_exactly_without_unicode_normalisation(conn):
     nfc = unicodedata.normalize("NFC", "café")
     nfd = unicodedata.normalize("NFD", "café")
     assert nfc != nfd
-    service.receive(conn, consumer="c", message_id="1", key=nfc, payload={})
-    service.receive(conn, consumer="c", message_id="2", key=nfd, payload={})
-    service.receive(conn, consumer="c", message_id="3", key="'; DROP TABLE postbox.inbox; --", payload={})
+    postbox.receive(conn, consumer="c", message_id="1", key=nfc, payload={})
+    postbox.receive(conn, consumer="c", message_id="2", key=nfd, payload={})
+    postbox.receive(conn, consumer="c", message_id="3", key="'; DROP TABLE postbox.inbox; --", payload={})
     rows = conn.execute("SELECT key, state FROM postbox.inbox ORDER BY id").fetchall()
     assert rows == [(nfc, "ready"), (nfd, "ready"), ("'; DROP TABLE postbox.inbox; --", "ready")]
 
@@ -387,7 +387,7 @@ def test_sql_functions_match_the_python_api(database):
     )
 
     with database.connect() as py:
-        py_results = [service.receive(py, **m) for m in messages]
+        py_results = [postbox.receive(py, **m) for m in messages]
         py_rows = py.execute(f"SELECT {cols} FROM postbox.inbox ORDER BY id").fetchall()
         py.rollback()
 
@@ -401,10 +401,10 @@ def test_sql_functions_match_the_python_api(database):
                 (
                     m["consumer"],
                     m["message_id"],
-                    service.messages.to_json(m["payload"]),
+                    postbox.messages.to_json(m["payload"]),
                     m.get("key"),
                     m.get("type"),
-                    service.messages.to_json(m.get("headers", {})),
+                    postbox.messages.to_json(m.get("headers", {})),
                     m.get("correlation_id"),
                     m.get("causation_id"),
                     m.get("source"),
@@ -414,7 +414,7 @@ def test_sql_functions_match_the_python_api(database):
         sql_rows = sql.execute(f"SELECT {cols} FROM postbox.inbox ORDER BY id").fetchall()
         batch = sql.execute(
             "SELECT status FROM postbox.inbox_receive_batch(%s::jsonb) ORDER BY ordinality",
-            (service.messages.to_json(messages),),
+            (postbox.messages.to_json(messages),),
         ).fetchall()
 
     assert [r.status.value for r in py_results] == sql_results == ["new", "new", "duplicate", "conflict"]
@@ -424,7 +424,7 @@ def test_sql_functions_match_the_python_api(database):
 
 def test_outbox_sql_matches_python(conn):
     """outbox_publish from SQL and publish() from Python write the same row shape."""
-    a = service.publish(
+    a = postbox.publish(
         conn,
         destination="d",
         payload={"x": 1},
@@ -446,6 +446,6 @@ def test_outbox_sql_matches_python(conn):
     ).fetchall()
     assert rows[0][:7] == rows[1][:7]
     assert [r[7] for r in rows] == ["ready", "pending"]
-    generated = service.publish(conn, destination="d", payload=1)
+    generated = postbox.publish(conn, destination="d", payload=1)
     mid = conn.execute("SELECT message_id, key FROM postbox.outbox WHERE id = %s", (generated,)).fetchone()
     assert len(mid[0]) == 36 and mid[1] == mid[0]

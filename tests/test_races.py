@@ -9,9 +9,9 @@ import threading
 import psycopg
 import pytest
 
-import service
-from service.handlers import Registry
-from service.worker import Worker, WorkerSettings
+import postbox
+from postbox.inbox.handlers import Registry
+from postbox.inbox.worker import Worker, WorkerSettings
 from tests.helpers import EFFECTS_DDL, eventually, record_effect, scalar
 from tests.helpers import FAST_WORKER as FAST
 
@@ -46,7 +46,7 @@ def test_producer_worker_race_never_orphans_a_message(db):
     def producer(p: int) -> None:
         with psycopg.connect(url) as c:
             for i in range(per_producer):
-                service.receive(c, consumer="c", message_id=f"p{p}-{i}", key="hot", payload={"p": p, "i": i})
+                postbox.receive(c, consumer="c", message_id=f"p{p}-{i}", key="hot", payload={"p": p, "i": i})
                 c.commit()
 
     threads = [threading.Thread(target=producer, args=(p,)) for p in range(4)]
@@ -97,7 +97,7 @@ def test_concurrent_batches_with_overlapping_ids_are_received_once(db):
                         {"consumer": "c", "message_id": f"m{j}", "key": f"k{j % 5}", "payload": {"j": j}}
                         for j in ids[start : start + size]
                     ]
-                    results = service.receive_many(c, batch)
+                    results = postbox.receive_many(c, batch)
                     c.commit()
                     with lock:
                         news.extend(m["message_id"] for m, r in zip(batch, results, strict=True) if r.is_new)
@@ -145,7 +145,7 @@ def test_batches_with_the_same_ids_in_opposite_orders_never_deadlock(db):
                         {"consumer": "c", "message_id": m, "payload": {}} for m in (ids[::-1] if p else ids)
                     ]
                     barrier.wait(timeout=30)
-                    results = service.receive_many(c, batch)
+                    results = postbox.receive_many(c, batch)
                     c.commit()
                     news[p].extend(m["message_id"] for m, x in zip(batch, results, strict=True) if x.is_new)
         except BaseException as error:
@@ -166,10 +166,10 @@ def test_repeatable_read_producer_gets_a_retryable_error_not_an_orphan(db):
     serialization error (retryable) rather than leaving its message without a head."""
     url = db.url
     with psycopg.connect(url) as p, psycopg.connect(url) as w:
-        service.receive(p, consumer="c", message_id="1", key="k", payload={})
+        postbox.receive(p, consumer="c", message_id="1", key="k", payload={})
         p.commit()
         p.isolation_level = psycopg.IsolationLevel.REPEATABLE_READ
-        service.receive(p, consumer="c", message_id="2", key="k", payload={})
+        postbox.receive(p, consumer="c", message_id="2", key="k", payload={})
         ((mid, att),) = w.execute(
             "SELECT id, attempt FROM postbox.inbox_claim_v1('c', 'w', 10, '1 minute', now())"
         ).fetchall()
@@ -196,7 +196,7 @@ def test_producers_never_wait_for_a_running_handler(db):
         record_effect(ctx.conn, m.message_id, m.key, m.sequence, m.attempt)
 
     with psycopg.connect(url) as c:
-        service.receive(c, consumer="c", message_id="first", key="k", payload={})
+        postbox.receive(c, consumer="c", message_id="first", key="k", payload={})
         c.commit()
     w = Worker(url, reg, WorkerSettings(consumer="c", concurrency=2, batch_size=1, **FAST))
     w.start()
@@ -204,7 +204,7 @@ def test_producers_never_wait_for_a_running_handler(db):
         assert running.wait(10)
         with psycopg.connect(url) as c:
             for i in range(20):
-                service.receive(c, consumer="c", message_id=f"next-{i}", key="k", payload={})
+                postbox.receive(c, consumer="c", message_id=f"next-{i}", key="k", payload={})
                 c.commit()
         assert not release.is_set()  # every commit above returned while the handler was still held
         assert scalar(url, "SELECT count(*) FROM postbox.inbox WHERE state = 'pending'") == 20

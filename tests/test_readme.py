@@ -36,14 +36,14 @@ import psycopg
 import pytest
 import yaml
 
-import service
-from service.cli import cli
-from service.config import build_transports, load_policies
-from service.examples import orders as orders_example
-from service.handlers import Registry
-from service.outcomes import Permanent
-from service.settings import load_settings
-from service.worker import Worker, WorkerSettings
+import postbox
+from postbox.cli.root import cli
+from postbox.config.policies import build_transports, load_policies
+from postbox.config.settings import load_settings
+from postbox.examples import orders as orders_example
+from postbox.failures.outcomes import Permanent
+from postbox.inbox.handlers import Registry
+from postbox.inbox.worker import Worker, WorkerSettings
 from tests.conftest import Database, Server, _conninfo_url
 from tests.helpers import FAST_WORKER, REPO, eventually, scalar
 
@@ -208,7 +208,7 @@ def seed_world(url: str) -> None:
     worker.start()
     try:
         with psycopg.connect(url) as c:
-            service.receive(
+            postbox.receive(
                 c,
                 consumer="billing",
                 message_id="evt-1",
@@ -219,7 +219,7 @@ def seed_world(url: str) -> None:
             c.commit()
         for dead_letter_id, message_id, key, payload in WORLD_DEAD_LETTERS:
             with psycopg.connect(url) as c:
-                service.receive(
+                postbox.receive(
                     c,
                     consumer="billing",
                     message_id=message_id,
@@ -235,7 +235,7 @@ def seed_world(url: str) -> None:
             )
         eventually(lambda: scalar(url, "SELECT count(*) FROM billing.payments") == 1)
         with psycopg.connect(url) as c:  # held behind the dead-lettered head of order-9
-            service.receive(
+            postbox.receive(
                 c,
                 consumer="billing",
                 message_id="evt-9b",
@@ -251,7 +251,7 @@ def seed_world(url: str) -> None:
     # The compose example (README "Running with docker compose"): an order paid, its shipment request
     # delivered to the shipping inbox (as the bridge does), both processed by the example app.
     with psycopg.connect(url) as c:
-        service.receive(
+        postbox.receive(
             c,
             consumer="orders",
             message_id="order-0-paid",
@@ -259,7 +259,7 @@ def seed_world(url: str) -> None:
             type="order.paid",
             payload={"amount": 42},
         )
-        service.receive(
+        postbox.receive(
             c,
             consumer="shipping",
             message_id="order-0-paid:shipment",
@@ -498,10 +498,10 @@ PLACEHOLDERS = {
     "URL": "amqp://guest:guest@127.0.0.1:5672/%2F",
     "QUEUE": "orders",
     "REVISION": "base",
-    "module:registry": "service.examples.orders:registry",
-    "myapp.handlers:registry": "service.examples.orders:registry",  # the reader's own handler app
+    "module:registry": "postbox.examples.orders:registry",
+    "myapp.handlers:registry": "postbox.examples.orders:registry",  # the reader's own handler app
 }
-ELIDED_OPTION_VALUES = {"--app": "service.examples.orders:registry"}
+ELIDED_OPTION_VALUES = {"--app": "postbox.examples.orders:registry"}
 
 
 def expand_usage(words: list[str]) -> list[list[str]]:
@@ -719,7 +719,7 @@ def test_usage_notation_is_expanded_into_real_command_lines():
         ["replay", "resume", "7", "--items", "--concurrency", "2"],
     ]
     assert expand_usage(["worker", "--app", "..."]) == [
-        ["worker", "--app", "service.examples.orders:registry"]
+        ["worker", "--app", "postbox.examples.orders:registry"]
     ]
 
 
@@ -734,7 +734,7 @@ def test_usage_notation_is_expanded_into_real_command_lines():
         ("postbox replay pause|resme JOB --reason x", "No such command 'resme'"),
         ("postbox --config postbox.toml relay --destination nowhere", "not in the README's postbox.toml"),
         ("postbox --config postbox.toml worker --consumer nobody", "nobody has no handlers"),
-        ("postbox worker --consumer billing --app service.examples.orders:registry", "no such consumer"),
+        ("postbox worker --consumer billing --app postbox.examples.orders:registry", "no such consumer"),
         ("make no-such-target", "no Makefile target"),
         ("docker compose exec -T no-such-service psql -c 'SELECT 1'", "no service {'no-such-service'}"),
         ("docker compose up --scale no-such-service=3", "no service {'no-such-service'}"),

@@ -12,7 +12,7 @@ from typing import Any
 import psycopg
 import pytest
 
-import service
+import postbox
 
 
 def _fast(conn: psycopg.Connection[Any], messages: list[dict[str, Any]]) -> bool:
@@ -54,12 +54,12 @@ def test_set_path_matches_one_at_a_time(conn):
     """Statuses, per-key order and states (head ready, the rest pending) are those of receive()."""
     results = {}
     for consumer in ("one", "set"):
-        service.receive(conn, consumer=consumer, message_id="old", key="c", payload={"n": 4})
-        service.receive(conn, consumer=consumer, message_id="clash", key="d", payload={"other": True})
+        postbox.receive(conn, consumer=consumer, message_id="old", key="c", payload={"n": 4})
+        postbox.receive(conn, consumer=consumer, message_id="clash", key="d", payload={"other": True})
     batch = [{"consumer": "set", **m} for m in BATCH]
     assert _fast(conn, batch)
-    results["set"] = [r.status.value for r in service.receive_many(conn, batch)]
-    results["one"] = [service.receive(conn, consumer="one", **m).status.value for m in BATCH]
+    results["set"] = [r.status.value for r in postbox.receive_many(conn, batch)]
+    results["one"] = [postbox.receive(conn, consumer="one", **m).status.value for m in BATCH]
     conn.commit()
     assert results["set"] == results["one"] == ["new", "new", "new", "duplicate", "conflict", "new", "new"]
     assert _inbox(conn, "set") == _inbox(conn, "one")
@@ -70,7 +70,7 @@ def test_set_path_matches_one_at_a_time(conn):
 def test_set_path_ids_follow_the_batch_order(conn):
     """Ids (the arrival position) are taken in the batch's order, so a key keeps its order."""
     batch = [{"consumer": "c", "message_id": f"m{i}", "key": "k", "payload": i} for i in range(20)]
-    results = service.receive_many(conn, batch)
+    results = postbox.receive_many(conn, batch)
     ids = [r.inbox_id for r in results]
     assert ids == sorted(ids)
     assert [m for m, _, _ in _inbox(conn, "c")] == [f"m{i}" for i in range(20)]
@@ -78,11 +78,11 @@ def test_set_path_ids_follow_the_batch_order(conn):
 
 def test_set_path_never_overtakes_queued_messages(conn):
     """A key whose queued messages wait for a repaired head gets the batch's message queued too."""
-    service.receive(conn, consumer="c", message_id="m1", key="k", payload=1)
-    service.receive(conn, consumer="c", message_id="m2", key="k", payload=2)
+    postbox.receive(conn, consumer="c", message_id="m1", key="k", payload=1)
+    postbox.receive(conn, consumer="c", message_id="m2", key="k", payload=2)
     conn.commit()
     conn.execute("DELETE FROM postbox.inbox WHERE message_id = 'm1'")  # the head left, m2 still queued
-    service.receive_many(conn, [{"consumer": "c", "message_id": "m3", "key": "k", "payload": 3}])
+    postbox.receive_many(conn, [{"consumer": "c", "message_id": "m3", "key": "k", "payload": 3}])
     assert _inbox(conn, "c") == [("m2", "k", "pending"), ("m3", "k", "pending")]
 
 
@@ -137,8 +137,8 @@ def test_the_same_id_twice_in_a_batch(conn):
         {"consumer": "set", "message_id": "n", "key": "k", "payload": 3},
     ]
     assert _fast(conn, batch)
-    results = service.receive_many(conn, batch)
-    one = [service.receive(conn, **(m | {"consumer": "one"})) for m in batch]
+    results = postbox.receive_many(conn, batch)
+    one = [postbox.receive(conn, **(m | {"consumer": "one"})) for m in batch]
     assert [r.status.value for r in results] == [r.status.value for r in one]
     assert [r.status.value for r in results] == ["new", "duplicate", "conflict", "new"]
     assert results[1].inbox_id == results[2].inbox_id == results[0].inbox_id
@@ -147,12 +147,12 @@ def test_the_same_id_twice_in_a_batch(conn):
 
 def test_sequenced_and_refused_consumers_take_the_checking_path(conn):
     """Consumers ordered by sequence, and undeclared ones once any is declared, are not set-based."""
-    service.declare_consumer(conn, "seq", sequence_mode="gapless")
+    postbox.declare_consumer(conn, "seq", sequence_mode="gapless")
     assert not _fast(conn, [{"consumer": "seq", "message_id": "m", "sequence": 1, "payload": 1}])
     assert not _fast(conn, [{"consumer": "nobody", "message_id": "m", "payload": 1}])
-    service.declare_consumer(conn, "plain")
+    postbox.declare_consumer(conn, "plain")
     assert _fast(conn, [{"consumer": "plain", "message_id": "m", "payload": 1}])
-    results = service.receive_many(
+    results = postbox.receive_many(
         conn, [{"consumer": "seq", "message_id": "m", "sequence": 1, "payload": 1}]
     )
     assert results[0].status.value == "new"
@@ -161,10 +161,10 @@ def test_sequenced_and_refused_consumers_take_the_checking_path(conn):
 def test_json_batch_matches_the_array_batch(conn):
     """Callers in other languages send one JSON array: same statuses and rows as the array form."""
     for consumer in ("json", "arrays"):
-        service.receive(conn, consumer=consumer, message_id="old", key="c", payload={"n": 4})
-        service.receive(conn, consumer=consumer, message_id="clash", key="d", payload={"other": True})
+        postbox.receive(conn, consumer=consumer, message_id="old", key="c", payload={"n": 4})
+        postbox.receive(conn, consumer=consumer, message_id="clash", key="d", payload={"other": True})
     statuses = [
-        r.status.value for r in service.receive_many(conn, [{"consumer": "arrays", **m} for m in BATCH])
+        r.status.value for r in postbox.receive_many(conn, [{"consumer": "arrays", **m} for m in BATCH])
     ]
     rows = conn.execute(
         "SELECT status FROM postbox.inbox_receive_batch_v1(%s::jsonb) ORDER BY ordinality",
@@ -192,7 +192,7 @@ def test_a_batch_mixing_consumers_is_one_statement(conn, database):
     batch = [
         {"consumer": "a" if i % 3 else "b", "message_id": f"m{i}", "key": "k", "payload": i} for i in range(9)
     ]
-    results = service.receive_many(conn, batch)
+    results = postbox.receive_many(conn, batch)
     assert [r.status.value for r in results] == ["new"] * 9
     for consumer in ("a", "b"):
         ids = [r.inbox_id for r, m in zip(results, batch, strict=True) if m["consumer"] == consumer]
@@ -200,17 +200,17 @@ def test_a_batch_mixing_consumers_is_one_statement(conn, database):
         assert [m for m, _, _ in _inbox(conn, consumer)] == [
             m["message_id"] for m in batch if m["consumer"] == consumer
         ]
-    assert service.receive_many(conn, []) == []
+    assert postbox.receive_many(conn, []) == []
     conn.commit()
     with database.connect(autocommit=True) as auto:
-        service.declare_consumer(auto, "a")
-        service.declare_consumer(auto, "b")
+        postbox.declare_consumer(auto, "a")
+        postbox.declare_consumer(auto, "b")
         bad = [
             {"consumer": "a", "message_id": "x1", "payload": 1},
             {"consumer": "nobody", "message_id": "x2", "payload": 2},
         ]
-        with pytest.raises(service.InvalidMessage) as info:
-            service.receive_many(auto, bad)
+        with pytest.raises(postbox.InvalidMessage) as info:
+            postbox.receive_many(auto, bad)
         assert info.value.field.endswith("consumer")
         assert auto.execute(
             "SELECT count(*) FROM postbox.inbox_dedup WHERE message_id = 'x1'"
@@ -301,10 +301,10 @@ def test_a_fresh_batch_without_keys_goes_in_with_plain_inserts(conn):
     """Nothing to conflict with: the ledger rows and the heads are written by the plain try, and
     the outcome is what one-at-a-time receives give."""
     batch = [{"consumer": "set", "message_id": f"m{i:02}", "payload": {"i": i}} for i in range(20)]
-    results = service.receive_many(conn, batch)
+    results = postbox.receive_many(conn, batch)
     assert [r.status.value for r in results] == ["new"] * 20
     assert _writers(conn, "inbox_dedup", "set") == _writers(conn, "inbox", "set") == ["sub"] * 20
-    one = [service.receive(conn, **(m | {"consumer": "one"})) for m in batch]
+    one = [postbox.receive(conn, **(m | {"consumer": "one"})) for m in batch]
     assert [r.status for r in one] == [r.status for r in results]
     assert _inbox(conn, "set") == _inbox(conn, "one")
     assert {s for _, _, s in _inbox(conn, "set")} == {"ready"}
@@ -321,14 +321,14 @@ def test_a_batch_that_conflicts_falls_back_with_the_outcomes_of_one_at_a_time(co
     batch[9] = {"message_id": "k", "payload": {"n": 3}}  # key k has a head: queued behind it
     results = {}
     for consumer in ("set", "one"):
-        service.receive(conn, consumer=consumer, message_id="old", payload={"n": 1})
-        service.receive(conn, consumer=consumer, message_id="clash", payload={"other": True})
-        service.receive(conn, consumer=consumer, message_id="head", key="k", payload={})
+        postbox.receive(conn, consumer=consumer, message_id="old", payload={"n": 1})
+        postbox.receive(conn, consumer=consumer, message_id="clash", payload={"other": True})
+        postbox.receive(conn, consumer=consumer, message_id="head", key="k", payload={})
     conn.commit()
     results["set"] = [
-        r.status.value for r in service.receive_many(conn, [m | {"consumer": "set"} for m in batch])
+        r.status.value for r in postbox.receive_many(conn, [m | {"consumer": "set"} for m in batch])
     ]
-    results["one"] = [service.receive(conn, consumer="one", **m).status.value for m in batch]
+    results["one"] = [postbox.receive(conn, consumer="one", **m).status.value for m in batch]
     expected = ["new"] * 20
     expected[3], expected[5], expected[7] = "duplicate", "conflict", "duplicate"
     assert results["set"] == results["one"] == expected
@@ -341,12 +341,12 @@ def test_a_batch_that_conflicts_falls_back_with_the_outcomes_of_one_at_a_time(co
 def test_a_keyed_batch_writes_its_ledger_rows_plainly_and_its_heads_with_on_conflict(conn):
     """With keys, a head may already exist: only the ledger rows take the plain try; heads and
     queued messages are those of one-at-a-time receives."""
-    service.receive(conn, consumer="set", message_id="first", key="k0", payload={})
-    service.receive(conn, consumer="one", message_id="first", key="k0", payload={})
+    postbox.receive(conn, consumer="set", message_id="first", key="k0", payload={})
+    postbox.receive(conn, consumer="one", message_id="first", key="k0", payload={})
     conn.commit()
     batch = [{"message_id": f"m{i:02}", "key": f"k{i % 3}", "payload": {"i": i}} for i in range(20)]
-    results = service.receive_many(conn, [m | {"consumer": "set"} for m in batch])
-    one = [service.receive(conn, consumer="one", **m) for m in batch]
+    results = postbox.receive_many(conn, [m | {"consumer": "set"} for m in batch])
+    one = [postbox.receive(conn, consumer="one", **m) for m in batch]
     assert [r.status for r in results] == [r.status for r in one]
     assert _inbox(conn, "set") == _inbox(conn, "one")
     assert _writers(conn, "inbox_dedup", "set") == ["before"] + ["sub"] * 20  # "first", then m00..m19
@@ -358,7 +358,7 @@ def test_plain_tries_are_capped_per_transaction(conn):
     cache holds 64); later ones take the ON CONFLICT path, and the next transaction starts over."""
     for b in range(40):
         batch = [{"consumer": "c", "message_id": f"b{b:02}-{i:02}", "payload": i} for i in range(16)]
-        assert all(r.is_new for r in service.receive_many(conn, batch))
+        assert all(r.is_new for r in postbox.receive_many(conn, batch))
     assert conn.execute("SELECT current_setting('postbox.plain_batches')").fetchone() == ("32",)
     assert _writers(conn, "inbox", "c") == ["sub"] * 32 * 16 + ["top"] * 8 * 16
     conn.commit()
@@ -366,7 +366,7 @@ def test_plain_tries_are_capped_per_transaction(conn):
         ("",),
         (None,),
     }
-    service.receive_many(
+    postbox.receive_many(
         conn, [{"consumer": "c", "message_id": f"next-{i:02}", "payload": i} for i in range(16)]
     )
     assert conn.execute("SELECT current_setting('postbox.plain_batches')").fetchone() == ("1",)
@@ -374,7 +374,7 @@ def test_plain_tries_are_capped_per_transaction(conn):
 
 def test_small_batches_take_no_subtransaction(conn):
     """Under 16 messages a subtransaction costs more than it saves: ON CONFLICT straight away."""
-    service.receive_many(conn, [{"consumer": "c", "message_id": f"m{i:02}", "payload": i} for i in range(15)])
+    postbox.receive_many(conn, [{"consumer": "c", "message_id": f"m{i:02}", "payload": i} for i in range(15)])
     assert _writers(conn, "inbox", "c") == ["top"] * 15
     assert conn.execute("SELECT current_setting('postbox.plain_batches', true)").fetchone() in {
         ("",),

@@ -9,10 +9,10 @@ import threading
 
 import psycopg
 
-import service
-from service.policy import Backoff, RetryPolicy
-from service.relay import Relay, RelaySettings
-from service.transports.postgres import PostgresTransport
+import postbox
+from postbox.failures.policy import Backoff, RetryPolicy
+from postbox.outbox.relay import Relay, RelaySettings
+from postbox.outbox.transports.postgres import PostgresTransport
 from tests.helpers import eventually, scalar, spawn_postbox
 
 FAST = {"poll_interval": 0.05, "heartbeat_interval": 0.3, "stale_after": 1.5, "grace_period": 5.0}
@@ -33,7 +33,7 @@ def publish(url: str, rows: list[tuple[str, str]], per_tx: int = 10) -> None:
     """Publish (message_id, key) rows in transactions of ``per_tx``."""
     with psycopg.connect(url) as c:
         for i in range(0, len(rows), per_tx):
-            service.publish_many(
+            postbox.publish_many(
                 c,
                 [
                     {"destination": "next", "message_id": m, "key": k, "payload": {"m": m}}
@@ -139,9 +139,9 @@ def test_commit_order_trap(database):
     url = database.url
     publish(url, [("head", "k")])  # the key has a head the relay has not published yet
     with psycopg.connect(url) as a, psycopg.connect(url) as b, psycopg.connect(url) as late:
-        service.publish(a, destination="next", message_id="a1", key="k", payload={})
-        service.publish(b, destination="next", message_id="b1", key="k", payload={})
-        service.publish(late, destination="next", message_id="late", key="k", payload={})
+        postbox.publish(a, destination="next", message_id="a1", key="k", payload={})
+        postbox.publish(b, destination="next", message_id="b1", key="k", payload={})
+        postbox.publish(late, destination="next", message_id="late", key="k", payload={})
         b.commit()
         a.commit()
         r = start_relay(url)
@@ -203,7 +203,7 @@ def test_conflicting_row_is_dead_lettered_and_blocks_only_its_key(database):
     dead-lettered, its key's later rows held; other keys flow."""
     url = database.url
     with psycopg.connect(url) as c:
-        service.receive(c, consumer="next", message_id="clash", payload={"other": True})
+        postbox.receive(c, consumer="next", message_id="clash", payload={"other": True})
         c.commit()
     publish(url, [("clash", "bad"), ("after", "bad"), ("fine", "good")])
     r = start_relay(url)

@@ -8,11 +8,11 @@ from collections.abc import Sequence
 
 import psycopg
 
-import service
-from service.policy import Backoff, RetryPolicy
-from service.relay import Relay, RelaySettings
-from service.transports import OutboxRow
-from service.transports.postgres import PostgresTransport
+import postbox
+from postbox.failures.policy import Backoff, RetryPolicy
+from postbox.outbox.relay import Relay, RelaySettings
+from postbox.outbox.transports import OutboxRow
+from postbox.outbox.transports.postgres import PostgresTransport
 from tests.helpers import eventually, scalar
 
 QUICK = RetryPolicy(strategy=Backoff.FIXED, base_delay=0.05, max_attempts=1000, max_total_seconds=None)
@@ -48,7 +48,7 @@ def test_relay_gives_its_batch_back_after_losing_its_connection(database):
     on; the receiver sees the row twice at most (at-least-once, same message_id)."""
     url = database.url
     with psycopg.connect(url) as c:
-        service.publish_many(
+        postbox.publish_many(
             c, [{"destination": "next", "message_id": f"e{i}", "key": "k", "payload": {}} for i in range(3)]
         )
         c.commit()

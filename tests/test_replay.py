@@ -13,15 +13,16 @@ from decimal import Decimal, InvalidOperation
 import psycopg
 import pytest
 
-import service
-from service import deadletter, replay
-from service.clock import FakeClock
-from service.deadletter import DeadLetterFilter
-from service.handlers import Registry
-from service.outcomes import Permanent, UnknownOutcome
-from service.policy import Backoff, RetryPolicy
-from service.replay import ReplayOptions, ReplayRunner
-from service.worker import Worker, WorkerSettings
+import postbox
+from postbox.clock import FakeClock
+from postbox.deadletters import ops as deadletter
+from postbox.deadletters import replay
+from postbox.deadletters.ops import DeadLetterFilter
+from postbox.deadletters.replay import ReplayOptions, ReplayRunner
+from postbox.failures.outcomes import Permanent, UnknownOutcome
+from postbox.failures.policy import Backoff, RetryPolicy
+from postbox.inbox.handlers import Registry
+from postbox.inbox.worker import Worker, WorkerSettings
 from tests.helpers import FAST_WORKER, eventually, scalar, spawn_postbox
 
 QUICK = RetryPolicy(strategy=Backoff.EXPONENTIAL_FULL_JITTER, base_delay=0.01, max_delay=0.05, max_attempts=3)
@@ -105,7 +106,7 @@ def receive_orders(url: str, orders: list[str], bad_amount: bool = True) -> None
                         "source": "shop",
                     }
                 )
-        service.receive_many(c, msgs)
+        postbox.receive_many(c, msgs)
         c.commit()
 
 
@@ -477,7 +478,7 @@ def test_replay_never_repeats_an_external_effect_that_did_happen(db):
             raise UnknownOutcome("timeout after the request was sent")
 
     with db.connect() as c:
-        service.receive(c, service.InboxMessage(consumer="calls", message_id="pay-1", payload={"n": 1}))
+        postbox.receive(c, postbox.InboxMessage(consumer="calls", message_id="pay-1", payload={"n": 1}))
         c.commit()
     clock = FakeClock()
     w = Worker(db.url, reg, WorkerSettings(consumer="calls", **FAST_WORKER), clock=clock)
@@ -502,7 +503,7 @@ def test_replay_never_repeats_an_external_effect_that_did_happen(db):
             assert (job.failed, job.succeeded) == ((1, 0) if fails else (0, 1))
         with (
             db.connect(autocommit=True) as c,
-            pytest.raises(service.InvalidRequest, match="matches no open dead letter"),
+            pytest.raises(postbox.InvalidRequest, match="matches no open dead letter"),
         ):
             replay.start(c, DeadLetterFilter(queue="calls"), "again")
     finally:

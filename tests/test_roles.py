@@ -23,17 +23,17 @@ import pytest
 from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict
 
-import service
-from service.bridge import Bridge, Incoming
-from service.clock import FakeClock
-from service.handlers import Registry
-from service.maintenance import JOBS, Maintenance, MaintenanceSettings
-from service.metrics import DatabaseMetrics
-from service.outcomes import Permanent, Transient
-from service.policy import Backoff, RetryPolicy
-from service.relay import Relay, RelaySettings
-from service.transports.postgres import PostgresTransport
-from service.worker import Worker, WorkerSettings
+import postbox
+from postbox.clock import FakeClock
+from postbox.failures.outcomes import Permanent, Transient
+from postbox.failures.policy import Backoff, RetryPolicy
+from postbox.inbox.handlers import Registry
+from postbox.inbox.worker import Worker, WorkerSettings
+from postbox.operations.maintenance import JOBS, Maintenance, MaintenanceSettings
+from postbox.operations.metrics import DatabaseMetrics
+from postbox.outbox.bridge import Bridge, Incoming
+from postbox.outbox.relay import Relay, RelaySettings
+from postbox.outbox.transports.postgres import PostgresTransport
 from tests.conftest import Database, _conninfo_url
 from tests.helpers import FAST_WORKER, REPO, eventually, scalar
 
@@ -457,15 +457,15 @@ def test_producer_login_receives_and_publishes_and_wakes_workers(database, login
     with psycopg.connect(logins[WORKER], autocommit=True) as listener:
         listener.execute("LISTEN postbox_inbox")
         with psycopg.connect(logins[PRODUCER]) as c:
-            first = service.receive(c, consumer="orders", message_id="o-1", key="k1", payload={"n": 1})
-            columns = service.receive_many(
+            first = postbox.receive(c, consumer="orders", message_id="o-1", key="k1", payload={"n": 1})
+            columns = postbox.receive_many(
                 c,
                 [
                     {"consumer": "orders", "message_id": "o-2", "key": "k1", "payload": {"n": 2}},
                     {"consumer": "orders", "message_id": "o-3", "key": "k2", "payload": {"n": 3}},
                 ],
             )
-            arrays = service.receive_many(
+            arrays = postbox.receive_many(
                 c,
                 [
                     {"consumer": "orders", "message_id": "o-4", "key": "k1", "payload": {"n": 4}},
@@ -476,14 +476,14 @@ def test_producer_login_receives_and_publishes_and_wakes_workers(database, login
                 "SELECT status FROM postbox.inbox_receive_batch(%s::jsonb)",
                 (json.dumps([{"consumer": "billing", "message_id": "b-2", "key": "k1", "payload": 2}]),),
             ).fetchall()
-            service.publish(c, destination="emails", key="k1", payload={"n": 1})
-            service.publish_many(
+            postbox.publish(c, destination="emails", key="k1", payload={"n": 1})
+            postbox.publish_many(
                 c, [{"destination": "emails", "key": "k1", "payload": {"n": i}} for i in (2, 3)]
             )
             c.commit()
             assert [r.status.value for r in (first, *columns, *arrays)] == ["new"] * 5
             assert batch == [("new",)]
-            again = service.receive(c, consumer="orders", message_id="o-1", key="k1", payload={"n": 1})
+            again = postbox.receive(c, consumer="orders", message_id="o-1", key="k1", payload={"n": 1})
             c.commit()
             assert again.status.value == "duplicate"
         woken = {n.payload for n in listener.notifies(timeout=5, stop_after=2)}
@@ -531,10 +531,10 @@ def test_worker_relay_and_bridge_run_as_worker_logins(database, logins):
         )
     with psycopg.connect(logins[WORKER]) as c:
         for consumer in ("orders", "next"):
-            service.declare_consumer(c, consumer)
+            postbox.declare_consumer(c, consumer)
         c.commit()
     with psycopg.connect(logins[PRODUCER]) as c:
-        service.receive_many(
+        postbox.receive_many(
             c,
             [
                 {"consumer": "orders", "message_id": f"o-{i}", "key": f"k{i % 2}", "payload": {"i": i}}
@@ -664,7 +664,7 @@ def _user(url: str) -> str:
 
 def postbox_cli(url: str, *args: str) -> subprocess.CompletedProcess[str]:
     result = subprocess.run(
-        [sys.executable, "-m", "service", "--database-url", url, *args],
+        [sys.executable, "-m", "postbox", "--database-url", url, *args],
         capture_output=True,
         text=True,
         cwd=REPO,
@@ -687,7 +687,7 @@ def test_operator_login_runs_the_cli_and_a_reader_login_the_status(database, log
             sql.SQL("GRANT SELECT, INSERT ON handled TO {}").format(sql.Identifier(_user(logins[WORKER])))
         )
     with psycopg.connect(logins[PRODUCER]) as c:
-        service.receive_many(
+        postbox.receive_many(
             c,
             [
                 {"consumer": "stock", "message_id": "s-1", "key": "a", "payload": {"bad": True}},

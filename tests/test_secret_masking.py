@@ -22,9 +22,9 @@ import psycopg
 import pytest
 from psycopg import sql
 
-import service
-from service.producer import declare_consumer
-from service.settings import mask_secrets, mask_text, mask_url, register_secret
+import postbox
+from postbox.config.settings import mask_secrets, mask_text, mask_url, register_secret
+from postbox.producer import declare_consumer
 from tests.helpers import REPO, eventually, scalar
 
 
@@ -200,7 +200,7 @@ def _ready(port: int) -> bool:
 
 def _postbox(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "service", *args],
+        [sys.executable, "-m", "postbox", *args],
         cwd=REPO,
         env=env,
         capture_output=True,
@@ -336,9 +336,9 @@ url = "nats://{m["natstoken"]}@127.0.0.1:1"
     with psycopg.connect(database.url) as c:
         for consumer in ("hooks", "mirror"):  # once one is declared, undeclared consumers are refused
             declare_consumer(c, consumer)
-        service.receive(c, consumer="hooks", message_id="hook-1", key="k1", payload={"n": 1})
+        postbox.receive(c, consumer="hooks", message_id="hook-1", key="k1", payload={"n": 1})
         for destination in ("partner", "mirror", "events", "stream", "audit", "audit2"):
-            service.publish(c, destination=destination, key="k1", payload={"to": destination})
+            postbox.publish(c, destination=destination, key="k1", payload={"to": destination})
         c.commit()
 
     worker_port, relay_port = _free_port(), _free_port()
@@ -355,7 +355,7 @@ url = "nats://{m["natstoken"]}@127.0.0.1:1"
         for name, args in commands.items():
             with logs[name].open("wb") as log_file:
                 processes[name] = subprocess.Popen(
-                    [sys.executable, "-m", "service", *args],
+                    [sys.executable, "-m", "postbox", *args],
                     cwd=REPO,
                     env=env,
                     stdout=log_file,

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from psycopg import sql
 
-import service
+import postbox
 from tests.apps.hostile import CONSUMER, DESTINATION, TYPE
 from tests.helpers import REPO, eventually, scalar, spawn_postbox
 
@@ -43,14 +43,14 @@ def test_hostile_names_through_python_and_sql_are_stored_verbatim(db):
     """Python producer (single, batch, async-free forms) and the SQL functions (receive, publish,
     batches, declare, halt/resume) take hostile names as data: stored byte for byte, nothing run."""
     with db.connect() as c:
-        assert service.receive(
+        assert postbox.receive(
             c, consumer=CONSUMER, message_id="py", key=KEY, type=TYPE, payload={"k": KEY}
         ).is_new
-        service.receive_many(
+        postbox.receive_many(
             c, [{"consumer": CONSUMER, "message_id": "py-b", "key": KEY, "type": TYPE, "payload": 1}]
         )
-        service.publish(c, destination=DESTINATION, key=KEY, type=TYPE, payload={"k": KEY})
-        service.publish_many(c, [{"destination": DESTINATION, "key": KEY, "type": TYPE, "payload": 2}])
+        postbox.publish(c, destination=DESTINATION, key=KEY, type=TYPE, payload={"k": KEY})
+        postbox.publish_many(c, [{"destination": DESTINATION, "key": KEY, "type": TYPE, "payload": 2}])
         c.execute(
             "SELECT * FROM postbox.inbox_receive(consumer => %s, message_id => 'sql', payload => '{}',"
             " key => %s, type => %s)",
@@ -90,7 +90,7 @@ def test_hostile_names_through_the_relay_and_worker_commands(db, tmp_path):
         'retry = { strategy = "fixed", base_delay = 0.05 }\n'
     )
     with db.connect() as c:
-        service.publish(
+        postbox.publish(
             c, destination=DESTINATION, message_id="hop-1", key=KEY, type=TYPE, payload={"k": KEY}
         )
         c.commit()
@@ -126,7 +126,7 @@ SECRET = "s3cr3t-Pa55"
 
 def start(*args: str, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
     return subprocess.Popen(
-        [sys.executable, "-m", "service", *args],
+        [sys.executable, "-m", "postbox", *args],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         cwd=REPO,
@@ -202,7 +202,7 @@ def test_broker_password_never_appears_in_relay_output_or_failure_records(db, tm
         'retry = { strategy = "fixed", base_delay = 0.05 }\n'
     )
     with db.connect() as c:
-        service.publish(c, destination="events", payload={})
+        postbox.publish(c, destination="events", payload={})
         c.commit()
     relay = spawn_postbox(
         "--config", str(config), "--database-url", db.url, "relay", "--poll-interval", "0.05",
@@ -243,7 +243,7 @@ def test_hostile_sql_function_handler_name_is_a_quoted_identifier(db, tmp_path):
                 " $body$"
             ).format(schema=sql.Identifier(SCHEMA), fn=sql.Identifier(FUNCTION))
         )
-        service.receive(c, consumer=CONSUMER, message_id="f-1", key=KEY, type=TYPE, payload={})
+        postbox.receive(c, consumer=CONSUMER, message_id="f-1", key=KEY, type=TYPE, payload={})
         c.commit()
     consumer = json.dumps(CONSUMER, ensure_ascii=False)
     config = tmp_path / "postbox.toml"
@@ -277,7 +277,7 @@ def test_hostile_sql_function_handler_name_is_a_quoted_identifier(db, tmp_path):
 
 ALLOWED_DYNAMIC_SQL = {
     # file: reason the statement text is not built from user data
-    "service/runtime.py": "LISTEN on a channel name that is a constant of the code",
+    "service/postbox/operations/runtime.py": "LISTEN on a channel name that is a constant of the code",
 }
 
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import psycopg
 import pytest
 
-import service
-from service.handlers import Registry
-from service.worker import Worker, WorkerSettings
+import postbox
+from postbox.inbox.handlers import Registry
+from postbox.inbox.worker import Worker, WorkerSettings
 from tests.helpers import EFFECTS_DDL, eventually, record_effect, scalar
 from tests.helpers import FAST_WORKER as FAST
 
@@ -32,7 +32,7 @@ def registry(consumer: str) -> Registry:
 def receive(url, consumer, *seqs, key="k", prefix="m"):
     with psycopg.connect(url) as c:
         for s in seqs:
-            service.receive(c, consumer=consumer, message_id=f"{prefix}{s}", key=key, sequence=s, payload={})
+            postbox.receive(c, consumer=consumer, message_id=f"{prefix}{s}", key=key, sequence=s, payload={})
             c.commit()
 
 
@@ -50,7 +50,7 @@ def test_gapless_waits_for_the_missing_sequence(db):
     """gapless: 2 and 3 wait (the gap is recorded) until 1 arrives; then 1, 2, 3 run in order."""
     url = db.url
     with psycopg.connect(url) as c:
-        service.declare_consumer(c, "g", sequence_mode="gapless", gap_timeout_seconds=60)
+        postbox.declare_consumer(c, "g", sequence_mode="gapless", gap_timeout_seconds=60)
         c.commit()
     receive(url, "g", 2, 3)
     w = run_worker(url, "g")
@@ -83,7 +83,7 @@ def test_gap_timeout_is_surfaced(db):
     """A key waiting past its consumer's gap_timeout shows timed_out in postbox.key_gaps."""
     url = db.url
     with psycopg.connect(url) as c:
-        service.declare_consumer(c, "g", sequence_mode="gapless", gap_timeout_seconds=1)
+        postbox.declare_consumer(c, "g", sequence_mode="gapless", gap_timeout_seconds=1)
         c.commit()
     receive(url, "g", 3)
     # A worker's next claim looks at the key (it has no head) and records the gap.
@@ -99,7 +99,7 @@ def test_gapless_late_duplicate_sequence_is_dead_lettered(db):
     """gapless: a second message with an already processed sequence is late: dead-lettered, key goes on."""
     url = db.url
     with psycopg.connect(url) as c:
-        service.declare_consumer(c, "g", sequence_mode="gapless")
+        postbox.declare_consumer(c, "g", sequence_mode="gapless")
         c.commit()
     w = run_worker(url, "g")
     try:
@@ -122,7 +122,7 @@ def test_monotonic_runs_lowest_present_sequence_first_and_flags_late_ones(db):
     """monotonic: 5 then 3 arriving before processing run as 3, 5; a 4 arriving after 5 is late."""
     url = db.url
     with psycopg.connect(url) as c:
-        service.declare_consumer(c, "mono", sequence_mode="monotonic", late_policy="skip")
+        postbox.declare_consumer(c, "mono", sequence_mode="monotonic", late_policy="skip")
         c.commit()
     receive(url, "mono", 5, 3, 9)
     assert (
@@ -148,7 +148,7 @@ def test_monotonic_late_policy_process_runs_late_messages(db):
     """late_policy=process: a late message is processed anyway (after what was queued)."""
     url = db.url
     with psycopg.connect(url) as c:
-        service.declare_consumer(c, "mono", sequence_mode="monotonic", late_policy="process")
+        postbox.declare_consumer(c, "mono", sequence_mode="monotonic", late_policy="process")
         c.commit()
     w = run_worker(url, "mono")
     try:

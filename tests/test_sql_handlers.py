@@ -7,11 +7,11 @@ import random
 import psycopg
 import pytest
 
-import service
-from service.clock import FakeClock
-from service.config import configured_handlers, load_policies
-from service.handlers import Registry
-from service.worker import Worker, WorkerSettings
+import postbox
+from postbox.clock import FakeClock
+from postbox.config.policies import configured_handlers, load_policies
+from postbox.inbox.handlers import Registry
+from postbox.inbox.worker import Worker, WorkerSettings
 from tests.checker import Produced, WorkerPool, check, produce, run_until, terminate_backends
 from tests.helpers import EFFECTS_DDL, FAST_WORKER, eventually, scalar
 
@@ -144,7 +144,7 @@ def start(db, clock=None, idempotent=False) -> Worker:
 
 def send(db, mid: str, mode: str) -> None:
     with psycopg.connect(db.url) as c:
-        service.receive(c, consumer="fn", message_id=mid, payload={"mode": mode})
+        postbox.receive(c, consumer="fn", message_id=mid, payload={"mode": mode})
         c.commit()
 
 

@@ -17,11 +17,16 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import psycopg
 import pytest
 
-import service
-from service.policy import Backoff, RetryPolicy
-from service.relay import Relay, RelaySettings
-from service.transports import OutboxRow, Transport
-from service.transports.brokers import HttpTransport, NatsTransport, RabbitMQTransport, RedisStreamsTransport
+import postbox
+from postbox.failures.policy import Backoff, RetryPolicy
+from postbox.outbox.relay import Relay, RelaySettings
+from postbox.outbox.transports import OutboxRow, Transport
+from postbox.outbox.transports.brokers import (
+    HttpTransport,
+    NatsTransport,
+    RabbitMQTransport,
+    RedisStreamsTransport,
+)
 from tests.helpers import eventually, scalar
 from tests.proxy import Proxy
 
@@ -221,7 +226,7 @@ def rows_for(n: int, keys: int) -> list[tuple[str, str]]:
 def write(url: str, rows: list[tuple[str, str]]) -> None:
     with psycopg.connect(url) as c:
         for i in range(0, len(rows), 10):
-            service.publish_many(
+            postbox.publish_many(
                 c,
                 [
                     {
@@ -339,7 +344,7 @@ def test_rabbitmq_unroutable_message_is_a_permanent_failure():
     vanishing; the rest of the batch is published."""
     from datetime import UTC, datetime
 
-    from service.outcomes import Permanent
+    from postbox.failures.outcomes import Permanent
 
     t = RabbitMQTransport(
         "amqp://guest:guest@127.0.0.1:5672/%2F",
@@ -417,7 +422,7 @@ def _publish_once(transport: Transport) -> BaseException | None:
 @pytest.mark.parametrize("status", [301, 302, 303, 307, 308])
 def test_http_transport_never_follows_a_redirect(status):
     """A 3xx is a permanent failure of the row; its Location is never requested."""
-    from service.outcomes import Permanent
+    from postbox.failures.outcomes import Permanent
 
     hook = _Webhook(status)
     try:
@@ -430,7 +435,7 @@ def test_http_transport_never_follows_a_redirect(status):
 
 def _configured(postbox: dict, url: str) -> Transport:
     """The transport ``postbox relay`` builds for an HTTP destination under these settings."""
-    from service.config import build_transports, load_policies
+    from postbox.config.policies import build_transports, load_policies
 
     config = load_policies({"postbox": postbox, "destinations": {"hook": {"kind": "http", "url": url}}})
     factory = build_transports(config, ["hook"], "postgresql://unused")["hook"]
@@ -450,7 +455,7 @@ def _configured(postbox: dict, url: str) -> Transport:
 def test_http_destination_refused_by_the_outbound_settings_fails_permanently(postbox, host, setting):
     """A destination whose host the outbound settings refuse fails each row permanently, with an
     error naming the host and the setting; the webhook receives nothing."""
-    from service.outcomes import Permanent
+    from postbox.failures.outcomes import Permanent
 
     hook = _Webhook()
     try:

@@ -7,12 +7,12 @@ import threading
 import psycopg
 import pytest
 
-import service
-from service.clock import FakeClock
-from service.handlers import Registry
-from service.outcomes import Permanent, Retry
-from service.policy import Backoff, RetryPolicy
-from service.worker import Worker, WorkerSettings
+import postbox
+from postbox.clock import FakeClock
+from postbox.failures.outcomes import Permanent, Retry
+from postbox.failures.policy import Backoff, RetryPolicy
+from postbox.inbox.handlers import Registry
+from postbox.inbox.worker import Worker, WorkerSettings
 from tests.helpers import EFFECTS_DDL, eventually, record_effect, scalar
 from tests.helpers import FAST_WORKER as FAST
 
@@ -33,7 +33,7 @@ def start(url, registry, consumer="c", clock=None, **kw):
 
 def produce(url, messages):
     with psycopg.connect(url) as c:
-        service.receive_many(c, messages)
+        postbox.receive_many(c, messages)
         c.commit()
 
 
@@ -352,7 +352,7 @@ def test_complete_takes_out_promotes_and_files_repairs(database, isolation):
     with database.connect() as c, database.connect() as other:
         for key, ids in {"k1": ["m1", "m2"], "k2": ["m3", "m4"], "k3": ["m5"]}.items():
             for m in ids:
-                service.receive(c, consumer="c", message_id=m, key=key, payload={})
+                postbox.receive(c, consumer="c", message_id=m, key=key, payload={})
         c.commit()
         claimed = {
             m: (i, a)

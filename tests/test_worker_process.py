@@ -8,7 +8,7 @@ import subprocess
 import psycopg
 import pytest
 
-import service
+import postbox
 from tests.helpers import EFFECTS_DDL, eventually, scalar, spawn_postbox
 
 
@@ -39,7 +39,7 @@ def spawn(url: str, *args: str) -> subprocess.Popen[bytes]:
 
 def receive(url: str, *messages: dict) -> None:
     with psycopg.connect(url) as c:
-        service.receive_many(c, [{"consumer": "basic", **m} for m in messages])
+        postbox.receive_many(c, [{"consumer": "basic", **m} for m in messages])
         c.commit()
 
 
@@ -58,7 +58,7 @@ def test_notify_can_be_switched_off(db):
         listener.execute("LISTEN postbox_inbox")
         with psycopg.connect(db.url) as c:
             c.execute("SET postbox.notify = off")
-            service.receive(c, consumer="basic", message_id="x", payload={})
+            postbox.receive(c, consumer="basic", message_id="x", payload={})
             c.commit()
         assert list(listener.notifies(timeout=0.5)) == []
 

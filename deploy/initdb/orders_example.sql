@@ -1,4 +1,4 @@
--- Business tables of the example handler app service.examples.orders.
+-- Business tables of the example handler app postbox.examples.orders.
 -- The compose PostgreSQL runs this file at its first start (docker-entrypoint-initdb.d);
 -- elsewhere: psql "$POSTBOX_DATABASE_URL" -f deploy/initdb/orders_example.sql
 CREATE TABLE IF NOT EXISTS example_orders (

@@ -7,7 +7,7 @@ Create Date: 2026-11-29
 
 from pathlib import Path
 
-from service.migration_sql import run_sql, run_sql_file
+from postbox.schema.apply_sql import run_sql, run_sql_file
 
 revision = "0001"
 down_revision = None

@@ -12,7 +12,7 @@ LANGUAGE sql VOLATILE SECURITY DEFINER SET search_path = pg_catalog, postbox, pg
 $$;
 COMMENT ON FUNCTION postbox.worker_unregister_v1(text) IS 'Process: remove its own row from postbox.workers at a clean stop.';
 
--- Every database gauge of service/metrics.py, as rows of (metric, label a, label b, value): counts,
+-- Every database gauge of service/postbox/operations/metrics.py, as rows of (metric, label a, label b, value): counts,
 -- ages and table statistics, never a payload. For every process that serves /metrics, and for
 -- dashboards (postbox_reader).
 CREATE OR REPLACE FUNCTION postbox.metrics_snapshot_v1(p_now timestamptz, p_stale_after double precision)

@@ -1,4 +1,4 @@
--- Maintenance queries (service/maintenance.py): the bookkeeping that makes each job run once per
+-- Maintenance queries (service/postbox/operations/maintenance.py): the bookkeeping that makes each job run once per
 -- period across processes, and the jobs themselves, each deleting one small batch per call. Changes
 -- go through functions (sql/functions/roles_api_v1.sql): postbox_maintainer has no right to change
 -- a table itself.

@@ -1,4 +1,4 @@
--- postbox status: one screen of what is going on (service/status.py).
+-- postbox status: one screen of what is going on (service/postbox/operations/status.py).
 
 -- name: status_consumers
 SELECT c.name,

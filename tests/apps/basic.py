@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from service.handlers import Context, Message, Registry
+from postbox.inbox.handlers import Context, Message, Registry
 from tests.helpers import record_effect
 
 registry = Registry()

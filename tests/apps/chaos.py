@@ -40,9 +40,9 @@ from typing import Any
 
 import psycopg
 
-from service.handlers import Context, Message, Registry
-from service.outcomes import Permanent
-from service.policy import Backoff, RetryPolicy
+from postbox.failures.outcomes import Permanent
+from postbox.failures.policy import Backoff, RetryPolicy
+from postbox.inbox.handlers import Context, Message, Registry
 
 CONSUMER = "chaos"
 DESTINATION = "chaos-out"

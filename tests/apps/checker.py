@@ -18,9 +18,9 @@ import os
 import signal
 from typing import Any
 
-from service.handlers import Context, Message, Registry
-from service.outcomes import Permanent
-from service.policy import Backoff, RetryPolicy
+from postbox.failures.outcomes import Permanent
+from postbox.failures.policy import Backoff, RetryPolicy
+from postbox.inbox.handlers import Context, Message, Registry
 from tests.helpers import record_effect
 
 FAIL_RATE = float(os.environ.get("CHECKER_FAIL_RATE", "0"))

@@ -3,7 +3,7 @@ dollar quotes, backslashes, Unicode), for the security tests: names are data, ne
 
 from __future__ import annotations
 
-from service.handlers import Context, Message, Registry
+from postbox.inbox.handlers import Context, Message, Registry
 
 CONSUMER = "o'rders\"; DROP TABLE canary; --$$\\ü"
 DESTINATION = "dest'); DROP TABLE canary; --\"$x$\\ñ"

@@ -17,7 +17,7 @@ from typing import Any
 
 import psycopg
 
-from service.handlers import Context, Message, Registry
+from postbox.inbox.handlers import Context, Message, Registry
 from tests.helpers import record_effect
 
 CONSUMER = "mis"

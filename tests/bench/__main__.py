@@ -29,8 +29,8 @@ from typing import Any
 import psycopg
 from psycopg.conninfo import conninfo_to_dict
 
-import service
-from service import migrate
+import postbox
+from postbox.schema import migrate
 from tests.conftest import _conninfo_url
 from tests.helpers import spawn_postbox
 
@@ -168,7 +168,7 @@ class Bench:
         with psycopg.connect(url, autocommit=not own_transaction) as c:
             t = time.perf_counter()
             for i in range(n):
-                service.receive(c, consumer="bench", message_id=str(i), payload={"i": i})
+                postbox.receive(c, consumer="bench", message_id=str(i), payload={"i": i})
                 if own_transaction:
                     c.commit()
             return n / (time.perf_counter() - t)
@@ -190,7 +190,7 @@ class Bench:
         with psycopg.connect(url) as c:
             t = time.perf_counter()
             for start in range(0, n, batch):
-                service.receive_many(
+                postbox.receive_many(
                     c,
                     [
                         {"consumer": "bench", "message_id": str(i), "payload": {"i": i}}
@@ -205,7 +205,7 @@ class Bench:
         with psycopg.connect(url) as c:
             c.execute("SELECT postbox.consumer_halt_v1('bench', 'benchmark preload')")
             for start in range(0, n, 1000):
-                service.receive_many(
+                postbox.receive_many(
                     c,
                     [
                         {
@@ -298,7 +298,7 @@ class Bench:
         queue = f"postbox-bench-{uuid.uuid4().hex[:8]}"
         with psycopg.connect(url) as c:
             for start in range(0, n, 1000):
-                service.publish_many(
+                postbox.publish_many(
                     c,
                     [
                         {
@@ -468,7 +468,7 @@ class Bench:
                     if delay > 0:
                         time.sleep(delay)
                     c.execute("SET LOCAL postbox.notify = on")
-                    service.receive(c, consumer="bench", message_id=str(i), key=f"k{i}", payload={})
+                    postbox.receive(c, consumer="bench", message_id=str(i), key=f"k{i}", payload={})
                     c.commit()
                 _wait(lambda: c.execute("SELECT count(*) FROM bench_effects").fetchone()[0] == n, 30)
                 lat = sorted(r[0] for r in c.execute("SELECT latency_ms FROM bench_effects").fetchall())
@@ -561,7 +561,7 @@ def main() -> None:
     repeat = args.repeat or (1 if quick else 3)
     admin = args.database_url
     if not admin:
-        from service.embedded import embedded_server
+        from postbox.demo.embedded import embedded_server
 
         admin = str(embedded_server(REPO / ".pgdata").get_uri())
     sizes = {

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from service.handlers import Context, Message, Registry
+from postbox.inbox.handlers import Context, Message, Registry
 
 registry = Registry()
 

@@ -22,7 +22,7 @@ from typing import Any
 import psycopg
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
-from service import migrate
+from postbox.schema import migrate
 from tests.chaos.faults import ALL
 from tests.chaos.harness import Result, run_fault
 from tests.chaos.pgcluster import PrivateCluster

@@ -53,7 +53,7 @@ class Processes:
     ) -> None:
         self.name = name
         self.expected_exits = expected_exits
-        self.args = [sys.executable, "-m", "service", *args]
+        self.args = [sys.executable, "-m", "postbox", *args]
         self.env = {**os.environ, "PYTHONPATH": str(REPO), **env}
         self.logdir = logdir
         self.spawned = 0

@@ -12,7 +12,7 @@ from typing import Any, Literal
 
 import psycopg
 
-import service
+import postbox
 
 Outcome = Literal["ok", "failed", "unknown"]
 PRODUCER_APP = "chaos-producer"
@@ -104,7 +104,7 @@ class Producers:
                     self.log.add(Sent(mid, key, sequence, "failed"))
                     continue
             try:
-                service.receive(
+                postbox.receive(
                     conn, consumer=self.consumer, message_id=mid, key=key, sequence=sequence, payload={"n": n}
                 )
             except psycopg.Error:

@@ -1,0 +1,3 @@
+from postbox.cli.root import main
+
+main()

@@ -1,0 +1,5 @@
+"""The ``postbox`` command: one package, one module per group of commands."""
+
+from postbox.cli.root import main
+
+__all__ = ["main"]

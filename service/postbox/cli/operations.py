@@ -1,0 +1,243 @@
+"""Operations commands (``postbox maintain``, ``postbox status``, ``postbox config check``) and the
+observability options every command shares (``--log-format``, ``--log-level``, ``--metrics-port``,
+``--metrics-host``).
+
+Registered on the ``postbox`` group by :func:`register_ops_commands`.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import click
+import psycopg
+
+from postbox.cli import context as cli_context
+from postbox.cli.context import await_database, connect_timeout_option
+from postbox.config.settings import Settings, load_settings, mask_secrets, mask_text, mask_url
+from postbox.errors import ConfigError
+from postbox.operations.logs import configure_logging
+
+__all__ = [
+    "mask_secrets",
+    "observability_options",
+    "register_ops_commands",
+    "serve_metrics",
+    "setup_observability",
+]
+
+_LEVELS = click.Choice(["debug", "info", "warning", "error"], case_sensitive=False)
+
+
+def observability_options(f: Callable[..., Any]) -> Callable[..., Any]:
+    """The group's options for logs and metrics (also settable as POSTBOX_… variables).
+    ``--metrics-host`` is kept in the context object for :func:`serve_metrics` (the group's own
+    callback does not receive it)."""
+
+    callback = f
+
+    @functools.wraps(callback)
+    def keep_metrics_host(*args: Any, metrics_host: str | None = None, **kwargs: Any) -> Any:
+        click.get_current_context().ensure_object(dict)["metrics_host"] = metrics_host
+        return callback(*args, **kwargs)
+
+    f = click.option(
+        "--metrics-host",
+        default=None,
+        help="Address the metrics endpoint listens on (env POSTBOX_METRICS_HOST; default 127.0.0.1, "
+        "this host only; 0.0.0.0 for every interface).",
+    )(keep_metrics_host)
+    f = click.option(
+        "--metrics-port",
+        type=click.IntRange(0, 65535),
+        default=None,
+        help="Serve /metrics, /healthz, /readyz on this port (env POSTBOX_METRICS_PORT; 0: off, the default).",
+    )(f)
+    f = click.option(
+        "--log-level",
+        type=_LEVELS,
+        envvar="POSTBOX_LOG_LEVEL",
+        default="info",
+        show_default=True,
+        help="debug adds a line per processed message.",
+    )(f)
+    f = click.option(
+        "--log-format",
+        type=click.Choice(["auto", "json", "text"]),
+        envvar="POSTBOX_LOG_FORMAT",
+        default="auto",
+        show_default=True,
+        help="JSON lines, text, or auto (text on a terminal, JSON otherwise).",
+    )(f)
+    return f
+
+
+def setup_observability(
+    ctx: click.Context, log_format: str, log_level: str, metrics_port: int | None
+) -> None:
+    configure_logging(log_format, log_level.lower())
+    ctx.ensure_object(dict)["metrics_port"] = metrics_port
+
+
+_settings = cli_context.settings
+_url = cli_context.database_url
+
+
+def serve_metrics(ctx: click.Context, settings: Settings, url: str, ready: Callable[[], bool]) -> Any:
+    """Start the metrics endpoint of this process if a port is configured."""
+    from postbox.operations.metrics import start_observability
+
+    obj = ctx.find_root().ensure_object(dict)
+    port = obj.get("metrics_port")
+    host = obj.get("metrics_host")
+    return start_observability(
+        url,
+        port=settings.metrics_port if port is None else port,
+        host=settings.metrics_host if host is None else host,
+        ready=ready,
+        db_interval=settings.db_metrics_interval_seconds,
+    )
+
+
+# --- postbox maintain -------------------------------------------------------------------------
+
+
+@click.command()
+@click.option("--job", "jobs", multiple=True, help="Run only this job (repeatable; default: all).")
+@click.option(
+    "--period",
+    type=click.FloatRange(min=0.01),
+    default=None,
+    help="Seconds between runs of every job (default: each job's own period).",
+)
+@click.option("--once", is_flag=True, help="Run each due job once, then exit (for cron).")
+@click.option("--stale-after", default=30.0, show_default=True, type=click.FloatRange(min=0.02))
+@connect_timeout_option
+@click.pass_context
+def maintain(
+    ctx: click.Context,
+    jobs: tuple[str, ...],
+    period: float | None,
+    once: bool,
+    stale_after: float,
+    connect_timeout: float | None,
+) -> None:
+    """Run the maintenance jobs (retention, dedup pruning, stale workers, key repairs, gap timeouts)
+    on their schedule until SIGTERM/SIGINT. Safe to run in several processes: each job runs once
+    per period across all of them."""
+    import signal
+
+    from postbox.operations.maintenance import JOBS, Maintenance, MaintenanceSettings
+
+    s = _settings(ctx)
+    url = _url(ctx)
+    await_database(url, "maintenance", connect_timeout)
+    settings = MaintenanceSettings(
+        dedup_retention_seconds=s.dedup_retention_seconds,
+        attempts_retention_seconds=s.attempts_retention_seconds,
+        dead_letter_retention_seconds=s.dead_letter_retention_seconds,
+        batch_size=s.maintenance_batch_size,
+        stale_after=stale_after,
+        periods=(
+            dict.fromkeys(JOBS, period)
+            if period is not None
+            else {"dedup_prune": s.maintenance_interval_seconds}
+        ),
+    )
+    try:
+        m = Maintenance(url, settings, jobs=list(jobs) or None)
+    except ValueError as error:
+        raise click.BadParameter(str(error), param_hint="--job") from None
+    if once:
+        ran = m.run_once()
+        for job, did in ran.items():
+            click.echo(f"{job}: {'ran' if did else 'not due (or running elsewhere)'}")
+        return
+    serve_metrics(ctx, s, url, m.ready)
+
+    def on_signal(signum: int, frame: object) -> None:
+        click.echo(f"postbox: maintenance stopping (signal {signum})", err=True)
+        m.stop()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    m.run()
+
+
+# --- postbox status ---------------------------------------------------------------------------
+
+
+@click.command()
+@click.option("--watch", is_flag=True, help="Refresh every --interval seconds until interrupted.")
+@click.option("--interval", default=2.0, show_default=True, type=click.FloatRange(min=0.1))
+@click.option("--json", "as_json", is_flag=True, help="Print the status as JSON.")
+@click.pass_context
+def status(ctx: click.Context, watch: bool, interval: float, as_json: bool) -> None:
+    """Consumers, live workers, lag, retries in flight, blocked keys, dead letters, relay backlog
+    and running replays, at a glance."""
+    from postbox.operations.status import collect_status, render_status
+
+    url = _url(ctx)
+    with psycopg.connect(url, connect_timeout=10, application_name="postbox-status") as conn:
+        while True:
+            data = collect_status(conn)
+            if as_json:
+                click.echo(json.dumps(mask_secrets(data), default=str))
+            else:
+                if watch and sys.stdout.isatty():
+                    click.clear()
+                click.echo(mask_text(render_status(data)), nl=False)
+            if not watch:
+                return
+            try:
+                time.sleep(interval)  # a refresh period for a human, not synchronisation
+            except KeyboardInterrupt:
+                return
+
+
+# --- postbox config check ---------------------------------------------------------------------
+
+
+@click.group()
+def config() -> None:
+    """Inspect the configuration."""
+
+
+@config.command("check")
+@click.pass_context
+def config_check(ctx: click.Context) -> None:
+    """Print the effective configuration (environment, file, defaults; secrets masked) and exit
+    non-zero with the validation errors, if any."""
+    from postbox.config.policies import load_policies
+
+    obj = ctx.find_root().ensure_object(dict)
+    errors: list[str] = []
+    effective: dict[str, Any] = {}
+    try:
+        s = load_settings(obj.get("config"), database_url=obj.get("database_url"))
+        dumped = s.model_dump(mode="json")
+        dumped["database_url"] = mask_url(s.database_url.get_secret_value()) if s.database_url else None
+        effective["postbox"] = dumped
+        path = obj.get("config") or s.config
+        if path is not None:
+            policies = load_policies(path)
+            effective.update(policies.model_dump(mode="json", exclude_defaults=False))
+    except ConfigError as error:
+        errors.append(str(error))
+    click.echo(json.dumps(mask_secrets(effective), indent=2, default=str))
+    if errors:
+        for e in errors:
+            click.echo(f"postbox: {mask_text(e)}", err=True)
+        sys.exit(1)
+    click.echo("postbox: configuration is valid", err=True)
+
+
+def register_ops_commands(group: click.Group) -> None:
+    group.add_command(maintain)
+    group.add_command(status)
+    group.add_command(config)

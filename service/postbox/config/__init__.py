@@ -1,0 +1,1 @@
+"""Settings (environment, TOML file, flags) and per-consumer policies."""

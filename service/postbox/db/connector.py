@@ -1,0 +1,92 @@
+"""Run a named query on whatever connection the caller holds, inside the caller's transaction.
+
+Supported: psycopg ``Connection`` / ``AsyncConnection``, SQLAlchemy ``Session`` / ``AsyncSession``
+and ``Connection`` / ``AsyncConnection`` (any PostgreSQL driver). Postbox never opens, commits or
+rolls back the caller's transaction here. Database errors that report bad input (SQLSTATE 22PB1
+with a column) become :class:`postbox.errors.InvalidMessage`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import psycopg
+from psycopg.rows import dict_row
+from sqlalchemy import text
+from sqlalchemy.engine import Connection as SAConnection
+from sqlalchemy.exc import DBAPIError
+from sqlalchemy.ext.asyncio import AsyncConnection as SAAsyncConnection
+from sqlalchemy.ext.asyncio import AsyncSession
+from sqlalchemy.orm import Session
+
+from postbox.db.queries import Query
+from postbox.errors import InvalidMessage, InvalidRequest
+
+__all__ = ["AnyAsyncConnection", "AnySyncConnection", "run", "run_async", "run_dicts"]
+
+AnySyncConnection = psycopg.Connection[Any] | Session | SAConnection
+AnyAsyncConnection = psycopg.AsyncConnection[Any] | AsyncSession | SAAsyncConnection
+
+Rows = list[tuple[Any, ...]]
+
+
+def _diag(error: BaseException) -> tuple[str | None, str | None, str]:
+    """(sqlstate, column, message) of a database error from psycopg, psycopg2 or SQLAlchemy."""
+    orig: Any = error.orig if isinstance(error, DBAPIError) else error
+    diag = getattr(orig, "diag", None)
+    sqlstate = getattr(orig, "sqlstate", None) or getattr(orig, "pgcode", None)
+    column = getattr(diag, "column_name", None) if diag is not None else None
+    primary = getattr(diag, "message_primary", None) if diag is not None else None
+    return sqlstate, column, primary or str(orig)
+
+
+@contextmanager
+def _translated(error_class: type[InvalidRequest] = InvalidMessage) -> Iterator[None]:
+    try:
+        yield
+    except (psycopg.Error, DBAPIError) as error:
+        sqlstate, column, message = _diag(error)
+        if sqlstate == "22PB1" and column:
+            problem = message.removeprefix("postbox: ").removeprefix(column).strip()
+            raise error_class(column, problem) from error
+        raise
+
+
+def run(conn: AnySyncConnection, q: Query, params: dict[str, Any]) -> Rows:
+    """Execute ``q`` (a query that returns rows) with ``params`` on ``conn``; all its rows."""
+    with _translated():
+        if isinstance(conn, psycopg.Connection):
+            cur = conn.execute(q.psycopg, params)
+            return cur.fetchall() if cur.description else []
+        if isinstance(conn, Session | SAConnection):
+            result = conn.execute(text(q.text), params)
+            return [tuple(r) for r in result.all()]
+    raise TypeError(f"postbox: unsupported connection type {type(conn).__name__}")
+
+
+async def run_async(conn: AnyAsyncConnection, q: Query, params: dict[str, Any]) -> Rows:
+    """Async twin of :func:`run`: the same query text, awaited."""
+    with _translated():
+        if isinstance(conn, psycopg.AsyncConnection):
+            cur = await conn.execute(q.psycopg, params)
+            return await cur.fetchall() if cur.description else []
+        if isinstance(conn, AsyncSession | SAAsyncConnection):
+            result = await conn.execute(text(q.text), params)
+            return [tuple(r) for r in result.all()]
+    raise TypeError(f"postbox: unsupported connection type {type(conn).__name__}")
+
+
+def run_dicts(conn: psycopg.Connection[Any], q: Query, params: dict[str, Any]) -> list[dict[str, Any]]:
+    """Execute ``q`` on a psycopg connection; its rows as dicts. Bad input raises InvalidRequest."""
+    with _translated(InvalidRequest):
+        cur = conn.cursor(row_factory=dict_row)
+        cur.execute(q.psycopg, params)
+        return cur.fetchall() if cur.description else []
+
+
+def first(rows: Sequence[tuple[Any, ...]]) -> tuple[Any, ...]:
+    if not rows:
+        raise RuntimeError("postbox: the query returned no row")
+    return rows[0]

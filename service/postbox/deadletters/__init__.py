@@ -1,0 +1,1 @@
+"""Dead letters: operator actions on the dead-letter table and controlled, audited replay."""

@@ -1,0 +1,1 @@
+"""Failures: handler outcomes, classification of exceptions, retry policy, circuit breaker."""

@@ -1,0 +1,195 @@
+"""Handlers: plain Python functions (sync or async) registered per consumer and message type.
+
+A handler is called as ``handler(message, ctx)``. It succeeds by returning; it fails by raising (or
+returning) an outcome from :mod:`postbox.failures.outcomes` or any exception, which is classified. Its
+database work goes through ``ctx.conn`` (psycopg) or ``ctx.session`` (SQLAlchemy), and commits in
+one transaction with the message's "done" mark and any ``ctx.publish(...)`` outbox rows.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+import psycopg
+from pydantic import BaseModel, ConfigDict
+from sqlalchemy.orm import Session
+
+from postbox.failures.classify import Classifier, Rule
+from postbox.failures.policy import RetryPolicy
+from postbox.messages import OutboxMessage
+from postbox.operations.tracing import child_headers
+
+__all__ = ["Context", "HandlerFunc", "HandlerSpec", "Message", "Registry"]
+
+
+class Message(BaseModel):
+    """An inbox message as a handler sees it."""
+
+    model_config = ConfigDict(frozen=True)
+
+    id: int
+    consumer: str
+    message_id: str
+    key: str
+    sequence: int | None
+    type: str | None
+    schema_version: int
+    payload: Any
+    headers: dict[str, Any]
+    correlation_id: str | None
+    causation_id: str | None
+    source: str | None
+    received_at: datetime
+    attempt: int
+    first_failed_at: datetime | None = None
+    last_error: str | None = None
+    last_error_type: str | None = None
+
+
+HandlerFunc = Callable[[Message, "Context"], Any | Awaitable[Any]]
+
+
+class Context:
+    """What a handler may use during one attempt. Valid only while the handler runs."""
+
+    def __init__(
+        self,
+        message: Message,
+        conn: psycopg.Connection[Any],
+        session_factory: Callable[[], Session],
+    ):
+        self.message = message
+        self.attempt = message.attempt
+        self.conn = conn
+        self._session_factory = session_factory
+        self._session: Session | None = None
+
+    @property
+    def idempotency_key(self) -> str:
+        """Stable across every attempt and replay of this message: pass it to external systems."""
+        return self.idempotency_key_for("")
+
+    def idempotency_key_for(self, operation: str) -> str:
+        """A stable key per logical operation of this message (several external calls, one each).
+
+        A replay as a new message keeps the original's key (its ``postbox_replay_of`` header names the
+        original message), so a replay never repeats an external effect that did happen."""
+        original = (
+            self.message.headers.get("postbox_replay_of") if isinstance(self.message.headers, dict) else None
+        )
+        message_id = original.get("message_id") if isinstance(original, dict) else None
+        raw = f"{self.message.consumer}\x1f{message_id or self.message.message_id}\x1f{operation}"
+        return "pbx-" + hashlib.sha256(raw.encode()).hexdigest()[:32]
+
+    @property
+    def session(self) -> Session:
+        """A SQLAlchemy ``Session`` on the same connection and transaction as ``conn``."""
+        if self._session is None:
+            self._session = self._session_factory()
+        return self._session
+
+    def publish(self, destination: str, payload: Any, **fields: Any) -> int:
+        """Write an outbox event in this transaction; correlation and causation follow this message."""
+        from postbox.producer import publish
+
+        fields.setdefault("correlation_id", self.message.correlation_id or self.message.message_id)
+        fields.setdefault("causation_id", self.message.message_id)
+        fields["headers"] = child_headers(self.message.headers, fields.get("headers"))
+        return publish(self.conn, OutboxMessage(destination=destination, payload=payload, **fields))
+
+    def _close_session(self) -> None:
+        if self._session is not None:
+            self._session.flush()
+            self._session.close()
+            self._session = None
+
+
+@dataclass(frozen=True)
+class HandlerSpec:
+    func: HandlerFunc
+    consumer: str
+    type: str | None
+    idempotent: bool = False
+    timeout: float | None = None
+    retry: RetryPolicy | None = None
+    on_dead_letter: str | None = None
+    schema_versions: frozenset[int] | None = None
+
+
+@dataclass
+class Registry:
+    """Handlers by consumer and message type (``type=None`` handles every type without its own)."""
+
+    handlers: dict[tuple[str, str | None], HandlerSpec] = field(default_factory=dict)
+    retry_policies: dict[str, RetryPolicy] = field(default_factory=dict)
+    rules: list[Rule] = field(default_factory=list)
+    listeners: list[Callable[[str, dict[str, Any]], None]] = field(default_factory=list)
+
+    def handler(
+        self,
+        consumer: str,
+        type: str | None = None,
+        *,
+        idempotent: bool = False,
+        timeout: float | None = None,
+        retry: RetryPolicy | None = None,
+        on_dead_letter: str | None = None,
+        schema_versions: Iterable[int] | None = None,
+    ) -> Callable[[HandlerFunc], HandlerFunc]:
+        """Decorator: register ``func`` for ``consumer`` and ``type``.
+
+        ``idempotent`` lets unknown outcomes be retried; ``timeout`` (seconds) bounds an attempt;
+        ``retry`` and ``on_dead_letter`` override the consumer's policies for this type;
+        ``schema_versions`` lists the versions it understands (others are dead-lettered at once).
+        """
+
+        def register(func: HandlerFunc) -> HandlerFunc:
+            self.add(
+                func,
+                consumer,
+                type,
+                idempotent=idempotent,
+                timeout=timeout,
+                retry=retry,
+                on_dead_letter=on_dead_letter,
+                schema_versions=schema_versions,
+            )
+            return func
+
+        return register
+
+    def add(
+        self,
+        func: HandlerFunc,
+        consumer: str,
+        type: str | None = None,
+        *,
+        idempotent: bool = False,
+        timeout: float | None = None,
+        retry: RetryPolicy | None = None,
+        on_dead_letter: str | None = None,
+        schema_versions: Iterable[int] | None = None,
+    ) -> None:
+        if (consumer, type) in self.handlers:
+            raise ValueError(f"postbox: a handler for consumer {consumer!r} type {type!r} exists already")
+        if on_dead_letter not in (None, "block", "skip", "halt"):
+            raise ValueError("postbox: on_dead_letter must be block, skip or halt")
+        if timeout is not None and timeout <= 0:
+            raise ValueError("postbox: timeout must be positive")
+        versions = frozenset(schema_versions) if schema_versions is not None else None
+        self.handlers[(consumer, type)] = HandlerSpec(
+            func, consumer, type, idempotent, timeout, retry, on_dead_letter, versions
+        )
+
+    def lookup(self, consumer: str, type: str | None) -> HandlerSpec | None:
+        return self.handlers.get((consumer, type)) or self.handlers.get((consumer, None))
+
+    def consumers(self) -> set[str]:
+        return {c for c, _ in self.handlers}
+
+    def classifier(self) -> Classifier:
+        return Classifier(tuple(self.rules))

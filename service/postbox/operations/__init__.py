@@ -1,0 +1,1 @@
+"""Running Postbox: process runtime, status, maintenance jobs, metrics, logs and tracing."""

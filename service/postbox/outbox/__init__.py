@@ -1,0 +1,1 @@
+"""The outbox side: the relay, the bridge, and one module per broker (its transport and its bridge source)."""

@@ -1,0 +1,1 @@
+"""The database schema: the declared contract, Alembic migrations and the DDL they apply."""
