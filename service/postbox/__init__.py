@@ -1,10 +1,27 @@
 """Postbox: a transactional inbox and outbox on PostgreSQL.
 
-The public API is what this module exports; everything else is machinery.
+The public API is what this module exports (``__all__``); the subpackages are machinery and may
+change between releases:
+
+- write messages inside your own transaction: :func:`receive` (inbox), :func:`publish` (outbox),
+  their ``_many`` (batch) and ``_async`` forms, and :func:`declare_consumer`;
+- handle them: a :class:`Registry` of handlers, each given a :class:`Message` and a
+  :class:`Context`, saying how an attempt ended with :class:`Retry`, :class:`Permanent` or
+  :class:`UnknownOutcome` (or any exception, classified by the rules);
+- run them: :class:`Worker` (the inbox) and :class:`Relay` (the outbox) as the ``postbox``
+  command does, or embedded in your own program;
+- configure them: :class:`Settings`;
+- errors Postbox raises: :class:`PostboxError` and its subclasses.
 """
 
+from postbox.config.settings import Settings
 from postbox.errors import ConfigError, InvalidMessage, InvalidRequest, PostboxError
+from postbox.failures.outcomes import Permanent, Retry, Transient, UnknownOutcome
+from postbox.inbox.connection import HandlerEndedTransaction
+from postbox.inbox.handlers import Context, Message, Registry
+from postbox.inbox.worker import Worker, WorkerSettings
 from postbox.messages import InboxMessage, OutboxMessage, ReceiveResult, ReceiveStatus
+from postbox.outbox.relay import Relay, RelaySettings
 from postbox.producer import (
     declare_consumer,
     publish,
@@ -21,13 +38,26 @@ __version__ = "0.1.0"
 
 __all__ = [
     "ConfigError",
+    "Context",
+    "HandlerEndedTransaction",
     "InboxMessage",
     "InvalidMessage",
     "InvalidRequest",
+    "Message",
     "OutboxMessage",
+    "Permanent",
     "PostboxError",
     "ReceiveResult",
     "ReceiveStatus",
+    "Registry",
+    "Relay",
+    "RelaySettings",
+    "Retry",
+    "Settings",
+    "Transient",
+    "UnknownOutcome",
+    "Worker",
+    "WorkerSettings",
     "__version__",
     "declare_consumer",
     "publish",
