@@ -38,3 +38,27 @@ SELECT postbox.reap_stale_workers_v1(make_interval(secs => CAST(:stale_after AS 
 
 -- name: worker_unregister
 SELECT postbox.worker_unregister_v1(:id);
+
+-- Around every handler: the message's savepoint in the batch's transaction. The first one goes
+-- through psycopg (which begins the transaction); the others are sent straight through libpq.
+
+-- name: worker_savepoint
+SAVEPOINT postbox_m;
+
+-- name: worker_savepoint_rollback
+ROLLBACK TO SAVEPOINT postbox_m;
+
+-- name: worker_savepoint_release
+RELEASE SAVEPOINT postbox_m;
+
+-- name: worker_savepoint_next
+RELEASE SAVEPOINT postbox_m; SAVEPOINT postbox_m;
+
+-- name: worker_savepoint_next_xid
+RELEASE SAVEPOINT postbox_m; SAVEPOINT postbox_m; SELECT pg_current_xact_id_if_assigned();
+
+-- name: worker_terminate_backend
+SELECT pg_terminate_backend(CAST(:pid AS integer), 5000);
+
+-- name: worker_transaction_status
+SELECT pg_xact_status(CAST(:xid AS xid8));
