@@ -1,0 +1,147 @@
+"""The benchmark's harness: a fresh database per workload (cloned from a migrated template), pgbench,
+the peers' databases, and the record of every figure, per repetition."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import tempfile
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import psycopg
+from psycopg.conninfo import conninfo_to_dict
+
+from postbox.schema import migrate
+from tests.bench.report import Result
+from tests.bench.scripts import BENCH_DDL
+from tests.conftest import _conninfo_url
+
+
+class Harness:
+    """Databases on one server (``admin_url``: a superuser's), and the figures recorded so far."""
+
+    def __init__(self, admin_url: str, quick: bool) -> None:
+        self.admin_url = admin_url
+        self.quick = quick
+        self.params = {k: str(v) for k, v in conninfo_to_dict(admin_url).items() if v is not None}
+        self.results: dict[str, Result] = {}
+        self.extra: dict[str, Any] = {}
+        self.template = f"postbox_bench_tmpl_{uuid.uuid4().hex[:6]}"
+        self._create(self.template)
+        url = self.url(self.template)
+        migrate.upgrade(url)
+        with psycopg.connect(url, autocommit=True) as c:
+            c.execute(BENCH_DDL)
+        self.created: list[str] = [self.template]
+        self._last = time.monotonic()  # each record prints how long its workload took
+
+    def url(self, db: str) -> str:
+        return _conninfo_url(dict(self.params, dbname=db))
+
+    def _create(self, name: str, template: str | None = None) -> None:
+        with psycopg.connect(self.admin_url, autocommit=True) as c:
+            c.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+            c.execute(f'CREATE DATABASE "{name}"' + (f' TEMPLATE "{template}"' if template else ""))
+
+    def fresh(self) -> str:
+        name = f"postbox_bench_{uuid.uuid4().hex[:8]}"
+        self._create(name, self.template)
+        self.created.append(name)
+        return self.url(name)
+
+    def fresh_empty(self) -> str:
+        """A new database without Postbox (for a peer queue), with the benchmark tables."""
+        name = f"postbox_bench_peer_{uuid.uuid4().hex[:8]}"
+        self._create(name)
+        self.created.append(name)
+        url = self.url(name)
+        with psycopg.connect(url, autocommit=True) as c:
+            c.execute(BENCH_DDL)
+        return url
+
+    # --- peers: procrastinate and pgqueuer (the `bench` extra) --------------------------------
+
+    def peer(self, kind: str) -> str:
+        from tests.bench import peers
+
+        url = self.fresh_empty()
+        peers.install(kind, url)
+        return url
+
+    def peer_drain(self, kind: str, n: int, keys: int, ordered: bool, cap: float) -> float:
+        from tests.bench import peers
+
+        rate, bad = peers.drain(
+            kind, self.peer(kind), n, keys, ordered, processes=2, concurrency=2, cap_seconds=cap
+        )
+        if ordered and bad:
+            self.extra.setdefault("peer order violations", {})[kind] = bad
+            print(f"  ! {kind} broke per-key order {bad} times", flush=True)
+        return rate
+
+    def cleanup(self) -> None:
+        with psycopg.connect(self.admin_url, autocommit=True) as c:
+            for name in reversed(self.created):
+                c.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+    def record(self, name: str, unit: str, value: float) -> None:
+        r = self.results.setdefault(name, Result(name, unit))
+        r.runs.append(value)
+        now = time.monotonic()
+        took, self._last = now - self._last, now
+        print(f"  {name}: {value:,.1f} {unit}  ({took:.0f} s)", flush=True)
+
+    # --- references: pgbench -----------------------------------------------------------------
+
+    def pgbench(self, script: str, clients: int, threads: int, seconds: int, url: str | None = None) -> float:
+        exe = shutil.which("pgbench") or next(
+            iter(sorted(Path("/usr/lib/postgresql").glob("*/bin/pgbench"))), None
+        )
+        if exe is None:
+            raise RuntimeError("pgbench not found")
+        url = url or self.fresh()
+        with tempfile.NamedTemporaryFile("w", suffix=".sql", delete=False) as f:
+            f.write(script)
+        out = subprocess.run(
+            [str(exe), "-n", "-f", f.name, "-c", str(clients), "-j", str(threads), "-T", str(seconds), url],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+        os.unlink(f.name)
+        for line in out.splitlines():
+            if line.startswith("tps = "):
+                return float(line.split()[2])
+        raise RuntimeError(f"no tps in pgbench output: {out}")
+
+    def server(self) -> tuple[str, str]:
+        """The server's version and its ``synchronous_commit`` (for the machine summary)."""
+        with psycopg.connect(self.admin_url, autocommit=True) as c:
+            version = c.execute("SHOW server_version").fetchone()
+            sync = c.execute("SHOW synchronous_commit").fetchone()
+        return (str(version[0]) if version else "?"), (str(sync[0]) if sync else "?")
+
+
+def wait(check: Callable[[], bool], timeout: float) -> None:
+    """Poll ``check`` until it holds; a setup that does not converge in ``timeout`` seconds fails."""
+    end = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > end:
+            raise TimeoutError("benchmark setup did not converge")
+        time.sleep(0.05)
+
+
+def rss_mb(pid: int) -> float:
+    """A process's peak resident memory so far (VmHWM), in MB; 0 once it is gone."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return 0.0

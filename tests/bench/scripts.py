@@ -1,0 +1,65 @@
+"""The SQL the benchmark runs besides Postbox's own: its tables, and the pgbench scripts of the
+references (what bounds a receive, a batch receive and the drain)."""
+
+BENCH_DDL = """
+CREATE TABLE IF NOT EXISTS bench_effects (
+    id bigserial PRIMARY KEY, message_id text NOT NULL, key text NOT NULL, seq bigint, latency_ms double precision,
+    at timestamptz NOT NULL DEFAULT clock_timestamp()
+);
+CREATE TABLE IF NOT EXISTS bench_rows (id integer PRIMARY KEY, n bigint NOT NULL DEFAULT 0);
+INSERT INTO bench_rows (id) SELECT g FROM generate_series(1, 20000) g ON CONFLICT DO NOTHING;
+CREATE TABLE IF NOT EXISTS bench_single (id bigserial PRIMARY KEY, payload jsonb NOT NULL);
+CREATE SEQUENCE IF NOT EXISTS bench_ids;
+"""
+
+
+PGBENCH_INSERT_UPDATE = """\\set k random(1, 20000)
+BEGIN;
+INSERT INTO bench_effects (message_id, key, seq) VALUES ('x', 'k', :k);
+UPDATE bench_rows SET n = n + 1 WHERE id = :k;
+COMMIT;
+"""
+# One batch of the drain in SQL: claim, one effect row per message, complete (bench_drain_batch).
+DRAIN_SQL_FUNCTION = """CREATE FUNCTION bench_drain_batch(n integer) RETURNS integer LANGUAGE plpgsql AS $$
+DECLARE ids bigint[]; attempts integer[];
+BEGIN
+    SELECT array_agg(id), array_agg(attempt) INTO ids, attempts
+      FROM postbox.inbox_claim_v1('bench', 'sql', n, interval '60 seconds', now());
+    IF ids IS NULL THEN
+        RETURN 0;
+    END IF;
+    INSERT INTO bench_effects (message_id, key, seq)
+    SELECT message_id, key, sequence FROM postbox.inbox WHERE id = ANY(ids);
+    PERFORM postbox.inbox_complete_v1(ids, attempts, now());
+    RETURN cardinality(ids);
+END $$"""
+PGBENCH_SINGLE_INSERT = "INSERT INTO bench_single (payload) VALUES ('{\"i\": 1}');\n"
+# What bounds a single receive: the receive function itself without the Python client, and the two
+# rows every receive must write (the deduplication ledger and the inbox row, with their indexes)
+# with the uniqueness checks that deduplication and the one-head-per-key rule need (ON CONFLICT).
+PGBENCH_RECEIVE = "SELECT postbox.inbox_receive_v1('bench', nextval('bench_ids')::text, '{\"i\": 1}');\n"
+PGBENCH_TWO_INSERTS = """WITH n AS (SELECT nextval('bench_ids')::text AS id), \
+d AS (INSERT INTO postbox.inbox_dedup (consumer, message_id, payload_hash, inbox_id) SELECT 'bench', id, '\\x00', 0 FROM n \
+ON CONFLICT DO NOTHING) \
+INSERT INTO postbox.inbox (consumer, message_id, key, position, payload, state) SELECT 'bench', id, id, 0, '{"i": 1}', 'ready' FROM n \
+ON CONFLICT (consumer, key) WHERE state <> 'pending' DO NOTHING;
+"""
+# The same two rows as plain INSERTs (no ON CONFLICT; the unique indexes still check): the most
+# generous bound for any design that writes them, since a receive must handle a conflict somehow.
+PGBENCH_TWO_PLAIN_INSERTS = """WITH n AS (SELECT nextval('bench_ids')::text AS id), \
+d AS (INSERT INTO postbox.inbox_dedup (consumer, message_id, payload_hash, inbox_id) SELECT 'bench', id, '\\x00', 0 FROM n) \
+INSERT INTO postbox.inbox (consumer, message_id, key, position, payload, state) SELECT 'bench', id, id, 0, '{"i": 1}', 'ready' FROM n;
+"""
+# Even one row per message (no ledger: what a single-table design would write at best) costs more
+# than pgbench's single INSERT, because of the indexes a claimable, one-head-per-key row needs.
+PGBENCH_INBOX_ROW = """INSERT INTO postbox.inbox (consumer, message_id, key, position, payload, state) \
+SELECT 'bench', id, id, 0, '{"i": 1}', 'ready' FROM (SELECT nextval('bench_ids')::text AS id) n \
+ON CONFLICT (consumer, key) WHERE state <> 'pending' DO NOTHING;
+"""
+# The batch floor: the same two rows and checks for 500 messages in one statement (tx/s x 500).
+PGBENCH_TWO_INSERTS_500 = """WITH n AS (SELECT nextval('bench_ids') AS id FROM generate_series(1, 500)), \
+d AS (INSERT INTO postbox.inbox_dedup (consumer, message_id, payload_hash, inbox_id) SELECT 'bench', id::text, '\\x00', id FROM n \
+ON CONFLICT DO NOTHING) \
+INSERT INTO postbox.inbox (id, consumer, message_id, key, position, payload, state) SELECT id, 'bench', id::text, id::text, id, '{"i": 1}', 'ready' FROM n \
+ON CONFLICT (consumer, key) WHERE state <> 'pending' DO NOTHING;
+"""

@@ -1,0 +1,345 @@
+"""Postbox's workloads for `make bench`: receive (single and batch), the ordered drain, the relay,
+claim cost under a large backlog, replay, and receive-to-handler latency. Each runs in a fresh
+database, and those that move messages check their invariants (nothing missing or doubled, per-key
+order) and fail if they break."""
+
+from __future__ import annotations
+
+import os
+import signal
+import statistics
+import tempfile
+import time
+import uuid
+
+import psycopg
+
+import postbox
+from tests.bench.harness import Harness, rss_mb, wait
+from tests.bench.scripts import DRAIN_SQL_FUNCTION
+from tests.helpers import spawn_postbox
+
+
+class Bench(Harness):
+    """The harness with Postbox's workloads; each returns its figure (the caller records it)."""
+
+    def receive_single(self, n: int, own_transaction: bool) -> float:
+        """One message per transaction: an implicit one (autocommit, like pgbench's single INSERT),
+        or the caller's explicit BEGIN ... COMMIT (two more round trips)."""
+        url = self.fresh()
+        with psycopg.connect(url, autocommit=not own_transaction) as c:
+            t = time.perf_counter()
+            for i in range(n):
+                postbox.receive(c, consumer="bench", message_id=str(i), payload={"i": i})
+                if own_transaction:
+                    c.commit()
+            return n / (time.perf_counter() - t)
+
+    def insert_single(self, n: int) -> float:
+        """The Python client's own ceiling: pgbench's single INSERT from psycopg, autocommit."""
+        url = self.fresh()
+        with psycopg.connect(url, autocommit=True) as c:
+            t = time.perf_counter()
+            for _ in range(n):
+                c.execute("INSERT INTO bench_single (payload) VALUES (%s::jsonb)", ('{"i": 1}',))
+            return n / (time.perf_counter() - t)
+
+    def receive_batch(self, n: int, batch: int = 500, keyed: bool = True) -> float:
+        """Batches of ``batch`` per transaction: over 500 keys (from the second batch on, every message
+        queues behind its key's head), or without keys (each message its own key, as a queue
+        without per-key order receives them)."""
+        url = self.fresh()
+        with psycopg.connect(url) as c:
+            t = time.perf_counter()
+            for start in range(0, n, batch):
+                postbox.receive_many(
+                    c,
+                    [
+                        {"consumer": "bench", "message_id": str(i), "payload": {"i": i}}
+                        | ({"key": f"k{i % 500}"} if keyed else {})
+                        for i in range(start, min(start + batch, n))
+                    ],
+                )
+                c.commit()
+            return n / (time.perf_counter() - t)
+
+    def _preload(self, url: str, n: int, keys: int) -> None:
+        with psycopg.connect(url) as c:
+            c.execute("SELECT postbox.consumer_halt_v1('bench', 'benchmark preload')")
+            for start in range(0, n, 1000):
+                postbox.receive_many(
+                    c,
+                    [
+                        {
+                            "consumer": "bench",
+                            "message_id": str(i),
+                            "key": f"k{i % keys}",
+                            "sequence": i // keys,
+                            "payload": {"i": i},
+                        }
+                        for i in range(start, min(start + 1000, n))
+                    ],
+                )
+                c.commit()
+            c.execute("ANALYZE")  # as for the peers: plans for the backlog, as autovacuum would make them
+            c.commit()
+
+    def drain(self, n: int, keys: int, processes: int, concurrency: int, batch: int) -> tuple[float, float]:
+        """Ordered drain: msgs/s, and peak worker RSS in MB. Verifies order and exactly-once after."""
+        url = self.fresh()
+        self._preload(url, n, keys)
+        procs = [
+            spawn_postbox(
+                "--database-url",
+                url,
+                "worker",
+                "--consumer",
+                "bench",
+                "--app",
+                "tests.bench.app:registry",
+                "--concurrency",
+                str(concurrency),
+                "--batch-size",
+                str(batch),
+                "--poll-interval",
+                "0.05",
+            )
+            for _ in range(processes)
+        ]
+        peak = 0.0
+        try:
+            with psycopg.connect(url, autocommit=True) as c:
+                wait(lambda: c.execute("SELECT count(*) FROM postbox.workers").fetchone()[0] == processes, 30)
+                t = time.perf_counter()
+                c.execute("SELECT postbox.consumer_resume_v1('bench')")
+                while c.execute("SELECT EXISTS (SELECT 1 FROM postbox.inbox)").fetchone()[0]:
+                    peak = max(peak, *(rss_mb(p.pid) for p in procs))
+                    time.sleep(0.05)
+                elapsed = time.perf_counter() - t
+                bad = c.execute(
+                    "SELECT count(*) FROM (SELECT seq, lag(seq) OVER (PARTITION BY key ORDER BY id) AS prev"
+                    " FROM bench_effects) e WHERE prev IS NOT NULL AND seq <> prev + 1"
+                ).fetchone()[0]
+                count, distinct = c.execute(
+                    "SELECT count(*), count(DISTINCT message_id) FROM bench_effects"
+                ).fetchone()
+            if bad or count != n or distinct != n:
+                raise AssertionError(f"drain broke an invariant: {bad} out of order, {count} effects for {n}")
+        finally:
+            for p in procs:
+                p.send_signal(signal.SIGTERM)
+            for p in procs:
+                p.wait(30)
+        return n / elapsed, peak
+
+    def drain_sql(self, n: int, keys: int, batch: int, seconds: int) -> float:
+        """What bounds the drain: the same claim, effect rows and complete, in SQL only (no Python,
+        no per-message round trips or savepoints), one batch per transaction, pgbench -c 4; msg/s.
+        Started with more messages than it can take in that time (if not, it says so)."""
+        url = self.fresh()
+        self._preload(url, n, keys)
+        with psycopg.connect(url, autocommit=True) as c:
+            c.execute(DRAIN_SQL_FUNCTION)
+            c.execute("SELECT postbox.consumer_resume_v1('bench')")
+            self.pgbench(f"SELECT bench_drain_batch({batch});\n", 4, 2, seconds, url=url)
+            done, left = c.execute(
+                "SELECT (SELECT count(*) FROM bench_effects), (SELECT count(*) FROM postbox.inbox)"
+            ).fetchone()
+        if not left:
+            print("  ! the SQL-only drain ran dry: its figure is a lower bound", flush=True)
+        return done / seconds
+
+    def relay(
+        self, n: int, keys: int, kind: str, batch: int = 200, concurrency: int = 2
+    ) -> tuple[float, float]:
+        """Relay throughput (rows/s) and the relay's peak RSS (MB): n rows over ``keys`` keys to the
+        PostgreSQL transport (this database, another consumer) or to RabbitMQ with confirms."""
+        url = self.fresh()
+        queue = f"postbox-bench-{uuid.uuid4().hex[:8]}"
+        _outbox_rows(url, n, keys)
+        with tempfile.NamedTemporaryFile("w", suffix=".toml", delete=False) as f:
+            if kind == "postgres":
+                f.write('[destinations.out]\nkind = "postgres"\nconsumer = "relayed"\n')
+            else:
+                f.write(f'[destinations.out]\nkind = "rabbitmq"\nrouting_key = "{queue}"\n')
+        p = spawn_postbox(
+            *("--config", f.name, "--database-url", url, "relay"),
+            *("--batch-size", str(batch), "--concurrency", str(concurrency), "--poll-interval", "0.05"),
+        )
+        try:
+            rate, peak = _relay_rate(url, n, p.pid)
+            if kind == "postgres":
+                _check_relayed_inbox(url, n)
+        finally:
+            p.send_signal(signal.SIGTERM)
+            p.wait(30)
+            os.unlink(f.name)
+            if kind == "rabbitmq":
+                count = _rabbitmq_take_queue(queue)
+        if kind == "rabbitmq" and count < n:
+            raise AssertionError(f"relay to RabbitMQ lost rows: {count} of {n}")
+        return rate, peak
+
+    def replay(self, n: int, batch: int = 500) -> float:
+        """Replay send-back rate (dead letters/s): n dead letters, each blocking its own key, sent back
+        in place by one replay job stepped as fast as it allows (rate unlimited, batch of 500)."""
+        url = self.fresh()
+        with psycopg.connect(url, autocommit=True) as c:
+            c.execute(
+                """WITH r AS (
+                       INSERT INTO postbox.inbox (consumer, message_id, key, position, payload, state, attempt)
+                       SELECT 'bench', 'm' || g, 'k' || g, g, '{"n": 1}', 'blocked', 5 FROM generate_series(1, %s) g
+                       RETURNING *)
+                   INSERT INTO postbox.dead_letters (origin, origin_id, consumer, message_id, key, position, payload,
+                                                     received_at, attempt, reason, ordering_policy, fingerprint)
+                   SELECT 'inbox', id, consumer, message_id, key, position, payload, received_at, 5,
+                          'attempts_exhausted', 'block', 'Bench: failure' FROM r""",
+                (n,),
+            )
+            c.execute("ANALYZE")
+            job = c.execute(
+                """SELECT postbox.dlq_replay('{"queue": "bench"}', reason => 'bench', rate => 100000,
+                                             max_in_flight => %s, batch_size => %s)""",
+                (n, batch),
+            ).fetchone()[0]
+            t0 = time.perf_counter()
+            while c.execute("SELECT (postbox.replay_step(%s)).replayed", (job,)).fetchone()[0] < n:
+                pass
+            elapsed = time.perf_counter() - t0
+            ready = c.execute(
+                "SELECT count(*) FROM postbox.inbox WHERE state = 'ready' AND replay_of IS NOT NULL"
+            ).fetchone()[0]
+            if ready != n:
+                raise AssertionError(f"replay sent back {ready} of {n}")
+        return n / elapsed
+
+    def claim_cost(self, backlog: str, samples: int) -> float:
+        """Median ms of one claim (1 message) + complete, with the given backlog present."""
+        url = self.fresh()
+        with psycopg.connect(url) as c:
+            if backlog == "10k":
+                c.execute("""INSERT INTO postbox.inbox (consumer, message_id, key, position, payload, state)
+                             SELECT 'bench', 'm' || g, 'k' || g, g, '{}', 'ready' FROM generate_series(1, 10000) g""")
+            else:
+                c.execute("""
+                    INSERT INTO postbox.inbox (consumer, message_id, key, position, payload, state)
+                    SELECT 'bench', 'hot-' || g, 'hot', g, '{}', CASE WHEN g = 1 THEN 'ready' ELSE 'pending' END
+                      FROM generate_series(1, 500000) g;
+                    INSERT INTO postbox.inbox (consumer, message_id, key, position, payload, state)
+                    SELECT 'bench', 'blocked-' || g, 'b' || g, g, '{}', 'blocked' FROM generate_series(1, 1000) g;
+                    INSERT INTO postbox.inbox (consumer, message_id, key, position, payload, state)
+                    SELECT 'bench', 'cold-' || g, 'c' || (g % 9000), g, '{}',
+                           CASE WHEN g <= 9000 THEN 'ready' ELSE 'pending' END
+                      FROM generate_series(1, 499000) g;""")
+            c.execute("ANALYZE postbox.inbox")
+            c.commit()
+            times = []
+            for _ in range(samples):
+                t = time.perf_counter()
+                rows = c.execute(
+                    "SELECT id, attempt FROM postbox.inbox_claim_v1('bench', 'w', 1, '1 minute', now())"
+                ).fetchall()
+                c.commit()
+                c.execute(
+                    "SELECT postbox.inbox_complete_v1(%s, %s, now())",
+                    ([r[0] for r in rows], [r[1] for r in rows]),
+                )
+                c.commit()
+                times.append((time.perf_counter() - t) * 1000)
+            return statistics.median(times)
+
+    def latency(self, rate: float, seconds: float, listen: bool) -> dict[str, float]:
+        """Receive-to-handler-start latency at a steady rate, in ms (p50, p99, max)."""
+        url = self.fresh()
+        args = ["--listen" if listen else "--no-listen", "--poll-interval", "0.05" if listen else "0.01"]
+        p = spawn_postbox(
+            "--database-url",
+            url,
+            "worker",
+            "--consumer",
+            "bench",
+            "--app",
+            "tests.bench.app:registry",
+            "--concurrency",
+            "2",
+            "--batch-size",
+            "10",
+            *args,
+        )
+        try:
+            with psycopg.connect(url) as c:
+                wait(lambda: c.execute("SELECT count(*) FROM postbox.workers").fetchone()[0] == 1, 30)
+                c.commit()
+                n = int(rate * seconds)
+                start = time.perf_counter()
+                for i in range(n):
+                    due = start + i / rate
+                    delay = due - time.perf_counter()
+                    if delay > 0:
+                        time.sleep(delay)
+                    c.execute("SET LOCAL postbox.notify = on")
+                    postbox.receive(c, consumer="bench", message_id=str(i), key=f"k{i}", payload={})
+                    c.commit()
+                wait(lambda: c.execute("SELECT count(*) FROM bench_effects").fetchone()[0] == n, 30)
+                lat = sorted(r[0] for r in c.execute("SELECT latency_ms FROM bench_effects").fetchall())
+        finally:
+            p.send_signal(signal.SIGTERM)
+            p.wait(30)
+        return {"p50": lat[len(lat) // 2], "p99": lat[int(len(lat) * 0.99) - 1], "max": lat[-1]}
+
+
+def _outbox_rows(url: str, n: int, keys: int) -> None:
+    """``n`` outbox rows to destination ``out`` over ``keys`` keys, 1,000 per transaction."""
+    with psycopg.connect(url) as c:
+        for start in range(0, n, 1000):
+            postbox.publish_many(
+                c,
+                [
+                    {"destination": "out", "message_id": f"r{i}", "key": f"k{i % keys}", "payload": {"i": i}}
+                    for i in range(start, min(start + 1000, n))
+                ],
+            )
+            c.commit()
+
+
+def _relay_rate(url: str, n: int, pid: int) -> tuple[float, float]:
+    """Watch the outbox empty: rows/s, timed from the first row the relay takes out (its start-up is
+    not counted), and the relay's peak RSS in MB."""
+    peak, started, started_with, left = 0.0, 0.0, n, n
+    with psycopg.connect(url, autocommit=True) as c:
+        while left:
+            peak = max(peak, rss_mb(pid))
+            time.sleep(0.05)
+            left = c.execute("SELECT count(*) FROM postbox.outbox").fetchone()[0]
+            if not started and left < n:
+                started, started_with = time.perf_counter(), left
+    return started_with / (time.perf_counter() - started), peak
+
+
+def _check_relayed_inbox(url: str, n: int) -> None:
+    """Every row reached the receiving inbox once, in per-key order."""
+    with psycopg.connect(url, autocommit=True) as c:
+        got = c.execute(
+            "SELECT count(DISTINCT message_id) FROM postbox.inbox WHERE consumer = 'relayed'"
+        ).fetchone()[0]
+        bad = c.execute(
+            "SELECT count(*) FROM (SELECT substr(message_id, 2)::int AS i, lag(substr(message_id, 2)::int)"
+            " OVER (PARTITION BY key ORDER BY id) AS prev FROM postbox.inbox WHERE consumer = 'relayed') x"
+            " WHERE prev IS NOT NULL AND i < prev"
+        ).fetchone()[0]
+    if got != n or bad:
+        raise AssertionError(f"relay broke an invariant: {got} of {n}, {bad} out of order")
+
+
+def _rabbitmq_take_queue(queue: str) -> int:
+    """How many messages the benchmark's queue holds; the queue is deleted."""
+    import pika
+
+    conn = pika.BlockingConnection(pika.URLParameters("amqp://guest:guest@127.0.0.1:5672/%2F"))
+    try:
+        ch = conn.channel()
+        count = int(ch.queue_declare(queue, durable=True, passive=True).method.message_count)
+        ch.queue_delete(queue)
+    finally:
+        conn.close()
+    return count
