@@ -8,8 +8,9 @@ added later is covered without a change here; a block in a language this test do
   the blocked keys ``order-7`` and ``order-9``), replay job 7 and roles its snippets name;
 - ``sh``/``bash``: every ``postbox …`` line is parsed by the real click CLI (usage notation such as
   ``[--flag]``, ``a|b`` and placeholders expanded), ``make`` lines name Makefile targets,
-  ``docker compose`` lines name services of ``docker-compose.yml``, and SQL handed to ``psql``
-  (``-c`` or a here-document) runs like a ``sql`` block; any other program fails;
+  ``docker compose`` lines name services of ``docker-compose.yml``, ``pip install`` lines install
+  Postbox with extras ``pyproject.toml`` defines, and SQL handed to ``psql`` (``-c`` or a
+  here-document) runs like a ``sql`` block; any other program fails;
 - ``python``: executed, with ``url`` pointing at the README's world;
 - ``toml``: parsed and validated by the project's loaders (policies, destinations, settings).
 
@@ -667,12 +668,33 @@ def check_command(command: Command, snippet: Snippet, db: Callable[[], Database]
         return len(targets)
     if program == "docker" and args[:1] == ["compose"]:
         return check_compose(args[1:], command, db)
+    if program in ("pip", "pip3"):
+        return check_pip(args, where)
     if program == "psql":
         texts = psql_sql(args, command.stdin)
         for text in texts:
             run_sql(db(), text, where)
         return len(texts)
     raise AssertionError(f"{where}: the README runs {program!r}, which this test does not know how to check")
+
+
+def package_extras() -> set[str]:
+    data = tomllib.loads((REPO / "pyproject.toml").read_text(encoding="utf-8"))
+    return set(data["project"]["optional-dependencies"])
+
+
+def check_pip(args: list[str], where: str) -> int:
+    """``pip install`` lines install Postbox (by name, or the checkout with ``-e .``) with extras
+    that pyproject.toml defines."""
+    assert args[:1] == ["install"], f"{where}: pip {shlex.join(args)}: only pip install is shown"
+    requirements = [a for a in args[1:] if not a.startswith("-")]
+    assert requirements, f"{where}: pip install of nothing"
+    for requirement in requirements:
+        match = re.fullmatch(r"(postbox|\.)(?:\[([\w,-]+)\])?", requirement)
+        assert match, f"{where}: pip install {requirement}: the README installs only postbox"
+        unknown = set(filter(None, (match[2] or "").split(","))) - package_extras()
+        assert not unknown, f"{where}: pip install {requirement}: no extra {unknown} in pyproject.toml"
+    return len(requirements)
 
 
 def check_compose(args: list[str], command: Command, db: Callable[[], Database]) -> int:
@@ -739,13 +761,17 @@ def test_usage_notation_is_expanded_into_real_command_lines():
         ("docker compose exec -T no-such-service psql -c 'SELECT 1'", "no service {'no-such-service'}"),
         ("docker compose up --scale no-such-service=3", "no service {'no-such-service'}"),
         ("docker compose teleport", "unknown here"),
+        ("pip install 'postbox[binary,rabbit]'", "no extra {'rabbit'}"),
+        ("pip install requests", "installs only postbox"),
+        ("pip uninstall postbox", "only pip install"),
         ("kubectl apply -f postbox.yaml", "does not know how to check"),
     ],
 )
 def test_a_wrong_command_line_fails_the_check(line, complaint):
     """The check is not lenient: a misspelt command, subcommand or option, a missing required option,
     a bad value, a destination or consumer the README's config lacks, a handler app without the
-    consumer, an unknown Makefile target, compose command or service, or an unknown program fails."""
+    consumer, an unknown Makefile target, compose command or service, a package extra pyproject.toml
+    lacks, or an unknown program fails."""
 
     def no_database() -> Database:
         raise RuntimeError("no database needed")
@@ -852,3 +878,46 @@ def test_the_world_has_what_the_snippets_name(world):
     assert scalar(world.url, "SELECT held_messages FROM postbox.blocked_keys WHERE key = 'order-9'") == 1
     assert scalar(world.url, "SELECT state FROM postbox.replay_jobs WHERE id = 7") == "pending"
     assert scalar(world.url, "SELECT count(*) FROM postbox.outbox WHERE destination = 'emails'") == 1
+
+
+# --- the prose --------------------------------------------------------------------------------
+
+# Requirement ids of the project's specification (``REPLAY-2``): internal bookkeeping, meaningless
+# to a reader. ``UTF-8`` and the like are not ids.
+REQUIREMENT_ID = re.compile(r"\b(INBOX|ORD|HANDLE|CLASS|RETRY|DLQ|REPLAY|OUTBOX|RELAY|OBS|OPS|SEC)-\d+\b")
+INTERNAL_WORDS = re.compile(r"\bseeds?\b|\bsource documents?\b", re.IGNORECASE)
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
+def test_user_facing_text_cites_no_requirement_ids_or_internal_sources(page: Path):
+    """README and the manual speak to users: no requirement ids, no references to the documents the
+    project was specified from."""
+    for number, line in enumerate(page.read_text(encoding="utf-8").splitlines(), start=1):
+        assert not REQUIREMENT_ID.search(line), f"{page.name}:{number}: a requirement id: {line.strip()}"
+        assert not INTERNAL_WORDS.search(line), f"{page.name}:{number}: an internal reference: {line.strip()}"
+
+
+def anchors(page: Path) -> set[str]:
+    """The anchors of a page's headings, as GitHub makes them."""
+    found = set()
+    for _, line in prose_lines(page.read_text(encoding="utf-8")):
+        heading = re.match(r"^#{1,6}\s+(.*)$", line)
+        if heading:
+            text = re.sub(r"[^\w\- ]", "", heading[1].strip().lower().replace("`", ""))
+            found.add(text.replace(" ", "-"))
+    return found
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
+def test_links_between_pages_lead_somewhere(page: Path):
+    """Every relative link of README and the manual names a file of the repository and, with a
+    ``#fragment``, a heading of that page."""
+    for number, line in prose_lines(page.read_text(encoding="utf-8")):
+        for target in re.findall(r"\]\(([^)\s]+)\)", line):
+            if re.match(r"^[a-z]+:", target):
+                continue  # an absolute URL
+            path, _, fragment = target.partition("#")
+            linked = (page.parent / path).resolve() if path else page
+            assert linked.exists(), f"{page.name}:{number}: link to {target}: no such file"
+            if fragment:
+                assert fragment in anchors(linked), f"{page.name}:{number}: link to {target}: no such heading"
