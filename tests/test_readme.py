@@ -126,12 +126,9 @@ ELISION = ("…", "...")
 
 
 def inline_snippets(text: str) -> list[Snippet]:
-    """Inline code spans that are whole SQL statements or ``postbox``/``make`` commands. Rows of the
-    Status table marked "not yet" name what is not built, and are left out."""
+    """Inline code spans that are whole SQL statements or ``postbox``/``make`` commands."""
     spans = []
     for number, line in prose_lines(text):
-        if line.startswith("|") and re.search(r"\|\s*not yet\b[^|]*\|\s*$", line):
-            continue
         for span in re.findall(r"(?<!`)`([^`]+)`(?!`)", line):
             if SQL_START.match(span) and not any(e in span for e in ELISION):
                 spans.append(Snippet("sql", span, number, inline=True))
