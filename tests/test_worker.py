@@ -234,7 +234,8 @@ def test_handler_time_limit_is_a_transient_failure(effects_db):
 
 
 def test_async_handlers_and_sqlalchemy_session_commit_with_the_message(effects_db):
-    """An async handler and ORM-style writes through ctx.session commit in the message's transaction."""
+    """An async handler (through its async connection) and ORM-style writes through ctx.session commit
+    in the message's transaction."""
     from sqlalchemy import text
 
     url = effects_db.url
@@ -249,9 +250,12 @@ def test_async_handlers_and_sqlalchemy_session_commit_with_the_message(effects_d
         ctx.session.commit()  # only a savepoint: the outer transaction is the worker's
 
     @reg.handler("c", "async")
-    async def asynchronous(m, ctx):
-        record_effect(ctx.conn, m.message_id, m.key, m.sequence, m.attempt)
-        ctx.publish("next", {"from": m.message_id}, key=m.key)
+    async def asynchronous(m, ctx):  # an async handler's ctx.conn is a psycopg AsyncConnection
+        await ctx.conn.execute(
+            "INSERT INTO effects (message_id, key, attempt) VALUES (%s, %s, %s)",
+            (m.message_id, m.key, m.attempt),
+        )
+        await ctx.publish("next", {"from": m.message_id}, key=m.key)
 
     produce(
         url,

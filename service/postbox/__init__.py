@@ -18,7 +18,7 @@ from postbox.config.settings import Settings
 from postbox.errors import ConfigError, InvalidMessage, InvalidRequest, PostboxError
 from postbox.failures.outcomes import Permanent, Retry, Transient, UnknownOutcome
 from postbox.inbox.connection import HandlerEndedTransaction
-from postbox.inbox.handlers import Context, Message, Registry
+from postbox.inbox.handlers import AsyncContext, Context, Message, Registry
 from postbox.inbox.worker import Worker, WorkerSettings
 from postbox.messages import InboxMessage, OutboxMessage, ReceiveResult, ReceiveStatus
 from postbox.outbox.relay import Relay, RelaySettings
@@ -37,6 +37,7 @@ from postbox.producer import (
 __version__ = "0.1.0"
 
 __all__ = [
+    "AsyncContext",
     "ConfigError",
     "Context",
     "HandlerEndedTransaction",

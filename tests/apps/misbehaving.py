@@ -17,7 +17,7 @@ from typing import Any
 
 import psycopg
 
-from postbox.inbox.handlers import Context, Message, Registry
+from postbox.inbox.handlers import AsyncContext, Context, Message, Registry
 from tests.helpers import record_effect
 
 CONSUMER = "mis"
@@ -99,23 +99,67 @@ def handle(message: Message, ctx: Context) -> None:
     _misbehave(message, ctx)
 
 
+async def _record_effect_async(ctx: AsyncContext, message: Message, suffix: str = "") -> None:
+    """record_effect through an async handler's connection."""
+    cur = await ctx.conn.execute("SELECT last_seq FROM key_state WHERE key = %s FOR UPDATE", (message.key,))
+    prev = await cur.fetchone()
+    await ctx.conn.execute(
+        "INSERT INTO effects (message_id, key, sequence, prev_seq, attempt) VALUES (%s, %s, %s, %s, %s)",
+        (
+            message.message_id + suffix,
+            message.key,
+            message.sequence,
+            prev[0] if prev else None,
+            message.attempt,
+        ),
+    )
+    if not suffix:
+        await ctx.conn.execute(
+            "INSERT INTO key_state (key, last_seq) VALUES (%s, %s) ON CONFLICT (key) DO UPDATE SET last_seq = excluded.last_seq",
+            (message.key, message.sequence if message.sequence is not None else -1),
+        )
+
+
+async def _late_write_async(ctx: AsyncContext, message: Message, p: dict[str, Any]) -> None:
+    try:
+        await _record_effect_async(ctx, message, ":late")
+        outcome = "wrote"
+    except Exception as error:
+        outcome = f"refused: {error}"
+    if p.get("marker"):
+        Path(p["marker"]).write_text(outcome, encoding="utf-8")
+
+
 @registry.handler(CONSUMER, "async")
-async def handle_async(message: Message, ctx: Context) -> None:
+async def handle_async(message: Message, ctx: AsyncContext) -> None:
+    """The async twin of ``handle``, through the async context (``ctx.conn`` is an AsyncConnection)."""
     p: dict[str, Any] = message.payload if isinstance(message.payload, dict) else {}
-    if p.get("do") == "spawn_task":  # fire-and-forget: a task that would write after the handler returned
-        record_effect(ctx.conn, message.message_id, message.key, message.sequence, message.attempt)
+    do = p.get("do", "ok")
+    if p.get("only_attempt", message.attempt) != message.attempt:
+        do = "ok"
+    await _record_effect_async(ctx, message)
+    match do:
+        case "ok":
+            return
+        case "spawn_task":  # fire-and-forget: a task that would write after the handler returned
 
-        async def later() -> None:
-            await asyncio.sleep(0.05)
-            ctx.conn.execute(
-                "INSERT INTO effects (message_id, key, sequence, attempt) VALUES (%s, %s, %s, %s)",
-                (message.message_id + ":task", message.key, message.sequence, message.attempt),
-            )
+            async def later() -> None:
+                await asyncio.sleep(0.05)
+                await _record_effect_async(ctx, message, ":task")
 
-        _tasks.add(asyncio.get_running_loop().create_task(later()))
-        return
-    if p.get("do") == "await_sleep" and p.get("only_attempt", message.attempt) == message.attempt:
-        record_effect(ctx.conn, message.message_id, message.key, message.sequence, message.attempt)
-        await asyncio.sleep(float(p.get("seconds", 3600)))
-        return
-    _misbehave(message, ctx)  # blocking calls inside an async handler block its event loop
+            _tasks.add(asyncio.get_running_loop().create_task(later()))
+        case "await_sleep":
+            await asyncio.sleep(float(p.get("seconds", 3600)))
+        case "sleep":  # blocking calls inside an async handler block its event loop
+            time.sleep(float(p.get("seconds", 3600)))
+            await _late_write_async(ctx, message, p)
+        case "commit":
+            await ctx.conn.commit()
+        case "sql_commit":
+            await ctx.conn.execute("COMMIT")
+        case "exit":
+            raise SystemExit(3)
+        case "keyboard_interrupt":
+            raise KeyboardInterrupt
+        case _:
+            raise ValueError(f"unknown async misbehaviour {do!r}")

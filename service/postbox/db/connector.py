@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from functools import cache
 from typing import Any
 
 import psycopg
@@ -24,7 +25,7 @@ from sqlalchemy.orm import Session
 from postbox.db.queries import Query
 from postbox.errors import InvalidMessage, InvalidRequest
 
-__all__ = ["AnyAsyncConnection", "AnySyncConnection", "run", "run_async", "run_dicts"]
+__all__ = ["AnyAsyncConnection", "AnySyncConnection", "run", "run_async", "run_dicts", "send_raw"]
 
 AnySyncConnection = psycopg.Connection[Any] | Session | SAConnection
 AnyAsyncConnection = psycopg.AsyncConnection[Any] | AsyncSession | SAAsyncConnection
@@ -90,3 +91,17 @@ def first(rows: Sequence[tuple[Any, ...]]) -> tuple[Any, ...]:
     if not rows:
         raise RuntimeError("postbox: the query returned no row")
     return rows[0]
+
+
+@cache
+def _encoded(q: Query) -> bytes:
+    return q.text.encode()
+
+
+def send_raw(conn: psycopg.Connection[Any], q: Query) -> psycopg.pq.abc.PGresult:
+    """Send ``q`` (a query without parameters) straight through libpq (``Connection.pgconn``),
+    bypassing psycopg's cursors: for the commands run around every handler (savepoints), where the
+    cursor machinery costs more than the command. The caller reads the result (status, errors):
+    nothing is raised or translated here, and the transaction is never begun (psycopg's
+    transaction state is the server's, read from the connection)."""
+    return conn.pgconn.exec_(_encoded(q))

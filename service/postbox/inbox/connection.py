@@ -10,6 +10,10 @@ abandoned, every operation on the connection is refused (its transaction is gone
 
 Ending the transaction with SQL (``ctx.conn.execute("COMMIT")``) cannot be refused beforehand;
 the worker detects it right after the handler returns (see ``postbox.inbox.worker``).
+
+An ``async def`` handler gets :class:`AsyncHandlerConnection`, a ``psycopg.AsyncConnection`` over
+the same server session (the same libpq connection) as the slot's: the same transaction and
+savepoint, with the same refusals.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from psycopg.abc import PQGen
 
 from postbox.failures.outcomes import Permanent
 
-__all__ = ["HandlerConnection", "HandlerEndedTransaction"]
+__all__ = ["AsyncHandlerConnection", "HandlerConnection", "HandlerEndedTransaction"]
 
 RV = TypeVar("RV")
 
@@ -36,14 +40,12 @@ class HandlerEndedTransaction(Permanent):
     """
 
 
-class HandlerConnection(psycopg.Connection[Any]):
-    """A psycopg connection whose transaction a running handler cannot end."""
+class _Guard:
+    """The refusals shared by the sync and async handler connections."""
 
     _postbox_guarded: bool = False
     _postbox_misuse: str | None = None
     _postbox_fence: str | None = None
-
-    # --- set by the worker ---------------------------------------------------------------------
 
     def guard(self, on: bool) -> None:
         """Refuse (on) or allow (off) the calls that end or change the transaction."""
@@ -60,15 +62,6 @@ class HandlerConnection(psycopg.Connection[Any]):
         """From now on refuse every operation (the handler was abandoned; its transaction is gone)."""
         self._postbox_fence = reason
 
-    # --- psycopg ------------------------------------------------------------------------------
-
-    def wait(self, gen: PQGen[RV], interval: float = 0.1, timeout: float | None = None) -> RV:
-        if self._postbox_fence is not None:
-            if isinstance(gen, Generator):
-                gen.close()
-            raise psycopg.OperationalError(self._postbox_fence)
-        return super().wait(gen, interval, timeout)
-
     def _refuse(self, what: str) -> None:
         if self._postbox_fence is not None:
             raise psycopg.OperationalError(self._postbox_fence)
@@ -80,6 +73,20 @@ class HandlerConnection(psycopg.Connection[Any]):
                 "savepoint"
             )
             raise HandlerEndedTransaction(self._postbox_misuse)
+
+    def _fenced(self, gen: PQGen[Any]) -> None:
+        if self._postbox_fence is not None:
+            if isinstance(gen, Generator):
+                gen.close()
+            raise psycopg.OperationalError(self._postbox_fence)
+
+
+class HandlerConnection(_Guard, psycopg.Connection[Any]):
+    """A psycopg connection whose transaction a running handler cannot end."""
+
+    def wait(self, gen: PQGen[RV], interval: float = 0.1, timeout: float | None = None) -> RV:
+        self._fenced(gen)
+        return super().wait(gen, interval, timeout)
 
     def commit(self) -> None:
         self._refuse("commit()")
@@ -125,3 +132,66 @@ class HandlerConnection(psycopg.Connection[Any]):
     def tpc_rollback(self, xid: psycopg.Xid | str | None = None) -> None:
         self._refuse("tpc_rollback()")
         super().tpc_rollback(xid)
+
+
+class AsyncHandlerConnection(_Guard, psycopg.AsyncConnection[Any]):
+    """An async psycopg connection over a slot's libpq connection, for ``async def`` handlers.
+
+    It shares the server session (so the transaction and savepoint) with the slot's
+    :class:`HandlerConnection`; it never prepares statements (their names would collide with the
+    sync connection's) and never closes the shared connection (the slot does)."""
+
+    @classmethod
+    def over(cls, conn: HandlerConnection) -> AsyncHandlerConnection:
+        shared = cls(conn.pgconn)
+        shared.prepare_threshold = None
+        return shared
+
+    async def wait(self, gen: PQGen[RV], interval: float = 0.1, timeout: float | None = None) -> RV:
+        self._fenced(gen)
+        return await super().wait(gen, interval, timeout)
+
+    async def commit(self) -> None:
+        self._refuse("commit()")
+        await super().commit()
+
+    async def rollback(self) -> None:
+        self._refuse("rollback()")
+        await super().rollback()
+
+    async def close(self) -> None:
+        if self._postbox_guarded and self._postbox_fence is None:
+            self._refuse("close()")
+        # Otherwise nothing: the shared libpq connection is the slot's to close.
+
+    async def set_autocommit(self, value: bool) -> None:
+        self._refuse("autocommit")
+        await super().set_autocommit(value)
+
+    async def set_isolation_level(self, value: psycopg.IsolationLevel | None) -> None:
+        self._refuse("isolation_level")
+        await super().set_isolation_level(value)
+
+    async def set_read_only(self, value: bool | None) -> None:
+        self._refuse("read_only")
+        await super().set_read_only(value)
+
+    async def set_deferrable(self, value: bool | None) -> None:
+        self._refuse("deferrable")
+        await super().set_deferrable(value)
+
+    async def tpc_begin(self, xid: psycopg.Xid | str) -> None:
+        self._refuse("tpc_begin()")
+        await super().tpc_begin(xid)
+
+    async def tpc_prepare(self) -> None:
+        self._refuse("tpc_prepare()")
+        await super().tpc_prepare()
+
+    async def tpc_commit(self, xid: psycopg.Xid | str | None = None) -> None:
+        self._refuse("tpc_commit()")
+        await super().tpc_commit(xid)
+
+    async def tpc_rollback(self, xid: psycopg.Xid | str | None = None) -> None:
+        self._refuse("tpc_rollback()")
+        await super().tpc_rollback(xid)

@@ -3,7 +3,10 @@
 A handler is called as ``handler(message, ctx)``. It succeeds by returning; it fails by raising (or
 returning) an outcome from :mod:`postbox.failures.outcomes` or any exception, which is classified. Its
 database work goes through ``ctx.conn`` (psycopg) or ``ctx.session`` (SQLAlchemy), and commits in
-one transaction with the message's "done" mark and any ``ctx.publish(...)`` outbox rows.
+one transaction with the message's "done" mark and any ``ctx.publish(...)`` outbox rows. An
+``async def`` handler gets an :class:`AsyncContext`: ``ctx.conn`` is a ``psycopg.AsyncConnection``,
+``ctx.session`` an SQLAlchemy ``AsyncSession`` and ``await ctx.publish(...)``, in that same
+transaction.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from typing import Any
 
 import psycopg
 from pydantic import BaseModel, ConfigDict
+from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.orm import Session
 
 from postbox.failures.classify import Classifier, Rule
@@ -23,7 +27,7 @@ from postbox.failures.policy import RetryPolicy
 from postbox.messages import OutboxMessage
 from postbox.operations.tracing import child_headers
 
-__all__ = ["Context", "HandlerFunc", "HandlerSpec", "Message", "Registry"]
+__all__ = ["AsyncContext", "Context", "HandlerFunc", "HandlerSpec", "Message", "Registry"]
 
 
 class Message(BaseModel):
@@ -50,23 +54,16 @@ class Message(BaseModel):
     last_error_type: str | None = None
 
 
-HandlerFunc = Callable[[Message, "Context"], Any | Awaitable[Any]]
+# Called as handler(message, ctx): ctx is a Context, or an AsyncContext for an ``async def`` handler.
+HandlerFunc = Callable[[Message, Any], Any | Awaitable[Any]]
 
 
-class Context:
-    """What a handler may use during one attempt. Valid only while the handler runs."""
+class _AttemptContext:
+    """What every handler's context has: the message, its attempt and its idempotency keys."""
 
-    def __init__(
-        self,
-        message: Message,
-        conn: psycopg.Connection[Any],
-        session_factory: Callable[[], Session],
-    ):
+    def __init__(self, message: Message) -> None:
         self.message = message
         self.attempt = message.attempt
-        self.conn = conn
-        self._session_factory = session_factory
-        self._session: Session | None = None
 
     @property
     def idempotency_key(self) -> str:
@@ -85,6 +82,27 @@ class Context:
         raw = f"{self.message.consumer}\x1f{message_id or self.message.message_id}\x1f{operation}"
         return "pbx-" + hashlib.sha256(raw.encode()).hexdigest()[:32]
 
+    def _outbox_message(self, destination: str, payload: Any, fields: dict[str, Any]) -> OutboxMessage:
+        fields.setdefault("correlation_id", self.message.correlation_id or self.message.message_id)
+        fields.setdefault("causation_id", self.message.message_id)
+        fields["headers"] = child_headers(self.message.headers, fields.get("headers"))
+        return OutboxMessage(destination=destination, payload=payload, **fields)
+
+
+class Context(_AttemptContext):
+    """What a handler may use during one attempt. Valid only while the handler runs."""
+
+    def __init__(
+        self,
+        message: Message,
+        conn: psycopg.Connection[Any],
+        session_factory: Callable[[], Session],
+    ):
+        super().__init__(message)
+        self.conn = conn
+        self._session_factory = session_factory
+        self._session: Session | None = None
+
     @property
     def session(self) -> Session:
         """A SQLAlchemy ``Session`` on the same connection and transaction as ``conn``."""
@@ -96,15 +114,54 @@ class Context:
         """Write an outbox event in this transaction; correlation and causation follow this message."""
         from postbox.producer import publish
 
-        fields.setdefault("correlation_id", self.message.correlation_id or self.message.message_id)
-        fields.setdefault("causation_id", self.message.message_id)
-        fields["headers"] = child_headers(self.message.headers, fields.get("headers"))
-        return publish(self.conn, OutboxMessage(destination=destination, payload=payload, **fields))
+        return publish(self.conn, self._outbox_message(destination, payload, fields))
 
     def _close_session(self) -> None:
+        """After the handler returned: its session's work joins the message's transaction (the
+        session's commit releases its savepoint; the worker commits the transaction)."""
         if self._session is not None:
-            self._session.flush()
+            self._session.commit()
             self._session.close()
+            self._session = None
+
+
+class AsyncContext(_AttemptContext):
+    """An ``async def`` handler's context: ``conn`` is a ``psycopg.AsyncConnection`` and ``session``
+    an SQLAlchemy ``AsyncSession``, both in the message's transaction (its savepoint), under the same
+    rules as a sync handler's. Valid only while the handler runs."""
+
+    def __init__(
+        self,
+        message: Message,
+        conn: psycopg.AsyncConnection[Any],
+        session_factory: Callable[[], Awaitable[AsyncSession]],
+    ):
+        super().__init__(message)
+        self.conn = conn
+        self._session_factory = session_factory
+        self._session: AsyncSession | None = None
+
+    @property
+    def session(self) -> AsyncSession:
+        """An SQLAlchemy ``AsyncSession`` on the same connection and transaction as ``conn``."""
+        if self._session is None:
+            raise RuntimeError("postbox: the async session is opened by the worker before the handler runs")
+        return self._session
+
+    async def publish(self, destination: str, payload: Any, **fields: Any) -> int:
+        """Write an outbox event in this transaction; correlation and causation follow this message."""
+        from postbox.producer import publish_async
+
+        return await publish_async(self.conn, self._outbox_message(destination, payload, fields))
+
+    async def _open_session(self) -> None:
+        self._session = await self._session_factory()
+
+    async def _close_session(self) -> None:
+        """After the handler returned: its session's work joins the message's transaction."""
+        if self._session is not None:
+            await self._session.commit()
+            await self._session.close()
             self._session = None
 
 

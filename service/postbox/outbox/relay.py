@@ -6,6 +6,11 @@ outcome in one transaction: confirmed rows leave the outbox and the next row of 
 its head; failed ones are retried with backoff (their key waits) or dead-lettered (their key is
 blocked, or skipped). A row is never lost; it may be published twice (a confirmation lost to a
 crash), which the receiver absorbs by ``message_id``.
+
+``Relay(database_url, transports, concurrency=2, ...)`` (any :class:`RelaySettings` field as a
+keyword) runs as the ``postbox relay`` command does, or embedded in a program like a worker
+(:class:`postbox.operations.lifecycle.Embeddable`: threads, ``with relay:``, or
+``async with relay.running():``).
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ import random
 import threading
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from datetime import datetime
 from typing import Any
 
@@ -23,9 +28,11 @@ import psycopg
 
 from postbox.clock import Clock, SystemClock
 from postbox.db import query
+from postbox.db.connector import run
 from postbox.failures.classify import Classifier, fingerprint
 from postbox.failures.policy import DeadLetter, RetryAt, RetryPolicy, decide
 from postbox.operations import metrics
+from postbox.operations.lifecycle import Embeddable, claim, connect_with_backoff, helper_threads
 from postbox.operations.runtime import Presence, Wakeup, process_id
 from postbox.operations.tracing import trace_id
 from postbox.outbox.transports import OutboxRow, Transport
@@ -63,22 +70,36 @@ class RelaySettings:
         if self.stale_after <= self.heartbeat_interval:
             raise ValueError("postbox: stale_after must be longer than heartbeat_interval")
 
+    @classmethod
+    def build(cls, settings: RelaySettings | None, options: dict[str, Any]) -> RelaySettings:
+        """Settings given whole, or built from keyword options (field names)."""
+        if settings is not None and options:
+            raise TypeError("postbox: give either settings or options, not both")
+        unknown = set(options) - {f.name for f in fields(cls)}
+        if unknown:
+            raise TypeError(f"postbox: unknown relay options: {', '.join(sorted(unknown))}")
+        return settings if settings is not None else cls(**options)
 
-class Relay:
-    """Relays the outbox rows of the given destinations. ``run()`` blocks until ``stop()``."""
+
+class Relay(Embeddable):
+    """Relays the outbox rows of the given destinations. ``run()`` blocks until ``stop()``;
+    ``start()``/``stop()``/``join()``, ``with relay:`` or ``async with relay.running():`` run it
+    embedded in a program."""
 
     def __init__(
         self,
         url: str,
         transports: Mapping[str, Transport | Callable[[], Transport]],
-        settings: RelaySettings,
+        settings: RelaySettings | None = None,
         *,
         policies: Mapping[str, RetryPolicy] | None = None,
         dead_letter_policies: Mapping[str, str] | None = None,
         clock: Clock | None = None,
         rng: random.Random | None = None,
         on_event: Callable[[str, dict[str, Any]], None] | None = None,
+        **options: Any,
     ) -> None:
+        settings = RelaySettings.build(settings, options)
         if not transports:
             raise ValueError("postbox: a relay needs at least one destination")
         self.url = url
@@ -121,13 +142,7 @@ class Relay:
                 self._loops.append(
                     threading.Thread(target=loop.run, name=f"postbox-relay-{destination}-{i}", daemon=True)
                 )
-        self._helpers.append(
-            threading.Thread(target=self.presence.beat_forever, name="postbox-heartbeat", daemon=True)
-        )
-        if self.settings.listen:
-            self._helpers.append(
-                threading.Thread(target=self.wakeup.listen_forever, name="postbox-listen", daemon=True)
-            )
+        self._helpers = helper_threads(self.presence, self.wakeup, listen=self.settings.listen)
         for t in [*self._loops, *self._helpers]:
             t.start()
         log.info(
@@ -135,21 +150,9 @@ class Relay:
             extra={"event": "relay_started", "worker": self.id, "destinations": sorted(self.transports)},
         )
 
-    def run(self) -> None:
-        self.start()
-        try:
-            while not self._stopping.wait(0.5):
-                pass
-        finally:
-            self.join()
-
     def stop(self) -> None:
         self._stopping.set()
         self.wakeup.notify()
-
-    @property
-    def stopping(self) -> bool:
-        return self._stopping.is_set()
 
     def ready(self) -> bool:
         """For ``/readyz``: running, and the last heartbeat reached the database in time."""
@@ -189,16 +192,12 @@ class _Loop:
         self._in_flight: list[OutboxRow] = []  # claimed, not yet recorded
 
     def _connect(self) -> psycopg.Connection[Any]:
-        backoff = 0.05
-        while True:
-            try:
-                return psycopg.connect(self.relay.url, application_name=f"postbox-relay:{self.destination}")
-            except psycopg.OperationalError as error:
-                if self.relay.stopping:
-                    raise
-                log.warning("relay cannot connect: %s", error)
-                time.sleep(backoff + self.relay.rng.uniform(0, backoff))
-                backoff = min(backoff * 2, 5.0)
+        return connect_with_backoff(
+            lambda: psycopg.connect(self.relay.url, application_name=f"postbox-relay:{self.destination}"),
+            stopping=lambda: self.relay.stopping,
+            rng=self.relay.rng,
+            what="relay",
+        )
 
     def run(self) -> None:
         try:
@@ -231,16 +230,12 @@ class _Loop:
 
     def _claim(self) -> list[OutboxRow]:
         assert self.conn is not None
-        self.conn.autocommit = True
-        try:
-            rows = self.conn.execute(
-                query("outbox_claim").psycopg,
-                {"destination": self.destination, "worker": self.relay.id, "limit": self.relay.settings.batch_size,
-                 "lease": self.relay.settings.lease, "now": self.relay.clock.now()},
-            ).fetchall()  # fmt: skip
-        finally:
-            if not self.conn.closed:
-                self.conn.autocommit = False
+        rows = claim(
+            self.conn,
+            query("outbox_claim"),
+            {"destination": self.destination, "worker": self.relay.id, "limit": self.relay.settings.batch_size,
+             "lease": self.relay.settings.lease, "now": self.relay.clock.now()},
+        )  # fmt: skip
         return [OutboxRow(**dict(zip(_ROW_FIELDS, r, strict=True))) for r in rows]
 
     def _give_back(self) -> None:
@@ -250,8 +245,9 @@ class _Loop:
         if not rows or self.conn is None:
             return
         try:
-            self.conn.execute(
-                query("outbox_release").psycopg,
+            run(
+                self.conn,
+                query("outbox_release"),
                 {
                     "ids": [r.id for r in rows],
                     "attempts": [r.attempt for r in rows],
@@ -281,14 +277,15 @@ class _Loop:
         now = self.relay.clock.now()
         published = [r for r, e in zip(rows, results, strict=True) if e is None]
         if published:
-            lost = self.conn.execute(
-                query("outbox_complete").psycopg,
+            lost = run(
+                self.conn,
+                query("outbox_complete"),
                 {"ids": [r.id for r in published], "attempts": [r.attempt for r in published], "now": now},
-            ).fetchone()
-            if lost and lost[0]:
+            )
+            if lost and lost[0][0]:
                 # Another relay took these over after our lease ran out: they were published
                 # twice, which receivers absorb by message_id.
-                log.warning("relay claims lost for %s", lost[0])
+                log.warning("relay claims lost for %s", lost[0][0])
         for row, error in zip(rows, results, strict=True):
             if error is not None:
                 self._record_failure(row, error, now, duration_ms)
@@ -333,11 +330,12 @@ class _Loop:
         if isinstance(d, DeadLetter):
             metrics.RELAY_DEAD_LETTERED.labels(self.destination, d.reason).inc()
         if isinstance(d, RetryAt):
-            self.conn.execute(query("outbox_retry").psycopg, {**common, "retry_at": d.at})
+            run(self.conn, query("outbox_retry"), {**common, "retry_at": d.at})
         else:
             assert isinstance(d, DeadLetter)
-            self.conn.execute(
-                query("outbox_dead_letter").psycopg,
+            run(
+                self.conn,
+                query("outbox_dead_letter"),
                 {**common, "reason": d.reason, "fingerprint": fingerprint(c.error_type, c.message),
                  "policy": self.on_dead_letter},
             )  # fmt: skip

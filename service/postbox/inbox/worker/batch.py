@@ -1,0 +1,66 @@
+"""What a slot knows of the batch it processes, and what it leaves to the slot replacing it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from postbox.failures.classify import Classification
+from postbox.failures.policy import DeadLetter, RetryAt
+from postbox.inbox.handlers import Message
+from postbox.operations.logs import message_fields
+
+__all__ = ["MESSAGE_FIELDS", "Batch", "Failure", "Inheritance", "log_fields"]
+
+MESSAGE_FIELDS = (
+    "id", "consumer", "message_id", "key", "sequence", "type", "schema_version", "payload", "headers",
+    "correlation_id", "causation_id", "source", "received_at", "attempt", "first_failed_at", "last_error",
+    "last_error_type",
+)  # fmt: skip
+
+
+@dataclass
+class Failure:
+    """A failed attempt, classified and decided (retry or dead letter), not yet written."""
+
+    message: Message
+    decision: RetryAt | DeadLetter
+    classification: Classification
+    policy: str | None
+    duration_ms: float | None = None
+    kind: str = ""
+    max_attempts: int | None = None  # set for a claim past max_attempts (no handler ran)
+
+
+@dataclass
+class Batch:
+    """What a slot knows of the batch it is processing (read by the watchdog if it abandons it)."""
+
+    messages: list[Message]
+    done: list[Message] = field(default_factory=list)
+    failures: list[Failure] = field(default_factory=list)
+    unrun: list[Message] = field(default_factory=list)
+    in_flight: Message | None = None
+    last_run: Message | None = None
+    position: int = 0  # index of the message being (or last) run
+    xid: str | None = None  # the transaction's id once assigned, as of before the last handler ran
+
+    def after(self, message: Message) -> list[Message]:
+        """The messages after ``message`` that have not run."""
+        i = next(i for i, m in enumerate(self.messages) if m is message)
+        ran = {id(m) for m in self.done} | {id(f.message) for f in self.failures}
+        return [m for m in self.messages[i + 1 :] if id(m) not in ran]
+
+
+@dataclass
+class Inheritance:
+    """What an abandoned or dead slot leaves to the slot that replaces it."""
+
+    batch: Batch | None
+    in_flight: Message | None
+    error: BaseException | None
+    backend_pid: int | None
+
+
+def log_fields(message: Message, error_type: str | None = None, **more: Any) -> dict[str, Any]:
+    return message_fields(message, error_type=error_type, **more)

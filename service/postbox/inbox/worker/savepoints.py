@@ -1,0 +1,72 @@
+"""The savepoint around every handler, in the batch's transaction.
+
+The first savepoint of a batch goes through psycopg (which begins the transaction); the others,
+and their release or rollback, are named queries sent straight through libpq
+(:func:`postbox.db.connector.send_raw`): they run around every handler, and psycopg's cursor
+machinery costs more than the command itself. A transaction found gone means the last handler
+ended it (``COMMIT``/``ROLLBACK`` as SQL): :class:`TransactionEnded` names it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import psycopg
+
+from postbox.db import query
+from postbox.db.connector import run, send_raw
+from postbox.inbox.handlers import Message
+from postbox.inbox.worker.batch import Batch
+from postbox.inbox.worker.settings import TransactionEnded
+
+__all__ = ["begin", "next_savepoint", "release", "roll_back"]
+
+# SQLSTATEs of a savepoint command that finds the batch's transaction gone: the handler ended it.
+_ENDED = {"3B001", "25P01"}
+
+
+def begin(conn: psycopg.Connection[Any]) -> None:
+    """The batch's first savepoint (psycopg begins the batch's transaction)."""
+    run(conn, query("worker_savepoint"), {})
+
+
+def next_savepoint(conn: psycopg.Connection[Any], batch: Batch) -> None:
+    """The next message's savepoint, in the batch's open transaction (one round trip). Until the
+    transaction has an id, the same round trip asks for it: if a handler later ends the
+    transaction, the id tells whether what ran before it was committed or rolled back."""
+    assert batch.last_run is not None
+    if batch.xid is None:
+        batch.xid = _command(conn, "worker_savepoint_next_xid", batch.last_run)
+    else:
+        _command(conn, "worker_savepoint_next", batch.last_run)
+
+
+def roll_back(conn: psycopg.Connection[Any], culprit: Message) -> None:
+    """Undo the failed handler's effects (back to its savepoint)."""
+    _command(conn, "worker_savepoint_rollback", culprit)
+
+
+def release(conn: psycopg.Connection[Any], culprit: Message) -> None:
+    """Keep the last handler's effects in the batch's transaction."""
+    _command(conn, "worker_savepoint_release", culprit)
+
+
+def _command(conn: psycopg.Connection[Any], name: str, culprit: Message) -> str | None:
+    """Send the named command; the first value of a result with rows. A transaction found gone
+    raises ``TransactionEnded``; any other failure is raised as psycopg would raise it."""
+    if conn.info.transaction_status is psycopg.pq.TransactionStatus.IDLE:
+        raise TransactionEnded(culprit)
+    result = send_raw(conn, query(name))
+    if result.status == psycopg.pq.ExecStatus.TUPLES_OK:
+        value = result.get_value(0, 0) if result.ntuples else None
+        return value.decode() if value is not None else None
+    if result.status != psycopg.pq.ExecStatus.COMMAND_OK:
+        if conn.pgconn.status != psycopg.pq.ConnStatus.OK:
+            raise psycopg.OperationalError(conn.pgconn.error_message.decode(errors="replace"))
+        sqlstate = result.error_field(psycopg.pq.DiagnosticField.SQLSTATE)
+        code = sqlstate.decode() if sqlstate else ""
+        if code in _ENDED:
+            raise TransactionEnded(culprit)
+        message = (result.error_message or b"savepoint failed").decode(errors="replace")
+        raise psycopg.errors.lookup(code)(message) if code else psycopg.DatabaseError(message)
+    return None

@@ -1,0 +1,154 @@
+"""A slot: one claim-and-process loop with its own connection, in a thread of its own.
+
+It is made of three parts: the claim loop (:mod:`.claim`), the handler executor
+(:mod:`.executor`) and the completer (:mod:`.completer`); this module processes a claimed batch
+with them (one transaction, a savepoint per message) and lets the worker abandon a slot whose
+handler does not return.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import psycopg
+
+from postbox.failures.breaker import BreakerState
+from postbox.failures.policy import FailureKind
+from postbox.inbox.handlers import Message
+from postbox.inbox.worker import savepoints
+from postbox.inbox.worker.batch import Batch, Inheritance, log_fields
+from postbox.inbox.worker.claim import ClaimLoop
+from postbox.inbox.worker.completer import Completer
+from postbox.inbox.worker.executor import Executor
+from postbox.inbox.worker.settings import HandlerTimeout, TransactionEnded, WorkerShutdown
+from postbox.operations import metrics
+
+__all__ = ["Slot"]
+
+log = logging.getLogger("postbox.worker")
+
+
+class Slot(ClaimLoop, Executor, Completer):
+    """One claim-and-process loop with its own connection."""
+
+    def start(self) -> None:
+        self.thread = threading.Thread(target=self.run, name=f"postbox-slot-{self.index}", daemon=True)
+        self.started = True
+        self.thread.start()
+
+    def _process(self, messages: list[Message]) -> None:
+        """Run the batch's handlers in one transaction, each in its savepoint; commit the outcomes."""
+        assert self.conn is not None
+        batch = Batch(messages)
+        self.batch = batch
+        self._durations = {}
+        try:
+            self._run_batch(batch)
+            if batch.done and batch.last_run is batch.done[-1]:
+                savepoints.release(self.conn, batch.last_run)
+            self._finish(batch.done, batch.failures, batch.unrun)
+        except TransactionEnded as ended:
+            self._settle_ended(batch, ended.culprit)
+        except psycopg.OperationalError:
+            self._check_abandoned()
+            self._recover(batch)
+            raise
+        except psycopg.Error as error:
+            self._check_abandoned()
+            # The batch's transaction failed as a whole (a serialization failure, a constraint
+            # checked at commit): nothing of it committed. Give every message back untouched;
+            # they are claimed again at once.
+            log.warning("slot %s: batch rolled back (%s); releasing it", self.index, error)
+            self._rollback()
+            self._release(messages)
+            self.worker._emit("batch_failed", ids=[m.id for m in messages], error=str(error))
+        finally:
+            self.batch = None
+
+    def _run_batch(self, batch: Batch) -> None:
+        assert self.conn is not None
+        savepoint = False
+        for i, message in enumerate(batch.messages):
+            if self.worker._aborting.is_set() or (
+                i > 0 and self.worker.breaker.state is not BreakerState.CLOSED
+            ):
+                batch.unrun = batch.messages[i:]  # given back untouched: not an attempt
+                return
+            policy = self._policy(message)
+            if message.attempt > policy.max_attempts:
+                # Every delivery is counted at claim: a message that kept killing its worker ends here.
+                batch.failures.append(self._exhausted(message, policy))
+                continue
+            if savepoint:
+                savepoints.next_savepoint(self.conn, batch)
+            else:
+                savepoints.begin(self.conn)
+            savepoint = True
+            batch.position = i
+            self._run_one(batch, message)
+
+    def _run_one(self, batch: Batch, message: Message) -> None:
+        """One message in its savepoint: run its handler, keep or undo its effects."""
+        assert self.conn is not None
+        batch.in_flight = message
+        metrics.record_start(message, self.worker.clock.now())
+        started = time.monotonic()
+        error = self._run_handler(message)
+        duration_ms = (time.monotonic() - started) * 1000.0
+        batch.last_run = message
+        error = self._after_handler(message, error)
+        batch.in_flight = None
+        metrics.record_handler(message, duration_ms / 1000.0)
+        self._durations[message.id] = duration_ms
+        if error is None:
+            batch.done.append(message)
+            self._breaker_record(False)
+            return
+        savepoints.roll_back(self.conn, message)
+        failure = self._failure(message, error, duration_ms)
+        self._breaker_record(failure.classification.kind is FailureKind.TRANSIENT)
+        batch.failures.append(failure)
+
+    def abandon(self, shutdown: WorkerShutdown | None, *, died: bool = False) -> Inheritance | None:
+        """Mark this slot abandoned (its thread may go on in handler code, but will never touch the
+        database or the batch again) and return what the slot replacing it must settle."""
+        with self._lock:
+            if self.abandoned:
+                return None
+            if not died and shutdown is None and not self.busy:
+                return None  # the handler returned in the meantime
+            self.abandoned = True
+            batch = self.batch
+            in_flight = batch.in_flight if batch is not None else None
+            timeout = self._timeout
+        if died:
+            error: BaseException | None = self.died or RuntimeError("the slot stopped unexpectedly")
+            reason = f"postbox: slot {self.index} stopped"
+        elif shutdown is not None:
+            error = shutdown
+            reason = "postbox: the worker stopped; this handler's transaction was ended"
+        else:
+            error = HandlerTimeout(
+                f"handler exceeded its time limit of {timeout:g} s and did not return; it was abandoned "
+                "and its transaction ended"
+            )
+            reason = (
+                f"postbox: this handler ran past its time limit of {timeout:g} s; its transaction was ended "
+                "and its connection may no longer be used"
+            )
+        if self.conn is not None:
+            self.conn.fence(reason)
+        if self.aconn is not None:
+            self.aconn.fence(reason)
+        if in_flight is not None and not died:
+            log.error(
+                "slot %s abandoned: %s",
+                self.index,
+                error,
+                extra=log_fields(in_flight, type(error).__name__, event="handler_abandoned"),
+            )
+        return Inheritance(batch, in_flight, error, self._backend_pid)
+
+    # --- settling --------------------------------------------------------------------------
