@@ -14,9 +14,11 @@ import pytest
 from postbox.failures.outcomes import Transient
 from postbox.inbox.handlers import Registry
 from postbox.inbox.worker import Worker, WorkerSettings
-from postbox.outbox.bridge import Bridge, source_for
-from postbox.outbox.transports import OutboxRow
-from postbox.outbox.transports.brokers import NatsTransport, RabbitMQTransport, RedisStreamsTransport
+from postbox.outbox.bridge import Bridge
+from postbox.outbox.transports import OutboxRow, source_for
+from postbox.outbox.transports.nats import NatsTransport
+from postbox.outbox.transports.rabbitmq import RabbitMQTransport
+from postbox.outbox.transports.redis import RedisStreamsTransport
 from tests.checker import terminate_backends
 from tests.helpers import FAST_WORKER, eventually, scalar, spawn_postbox
 from tests.test_transports import arrived_by_key

@@ -16,8 +16,8 @@ import postbox
 from postbox.clock import FakeClock
 from postbox.config.policies import configured_handlers, load_policies
 from postbox.inbox.handlers import Registry
-from postbox.inbox.http_handlers import OutboundPolicy, retry_after_seconds
 from postbox.inbox.worker import Worker, WorkerSettings
+from postbox.outbox.transports.http import OutboundPolicy, retry_after_seconds
 from tests.helpers import FAST_WORKER, eventually, scalar
 
 SECRET = "s3cret-for-tests"

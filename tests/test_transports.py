@@ -21,12 +21,10 @@ import postbox
 from postbox.failures.policy import Backoff, RetryPolicy
 from postbox.outbox.relay import Relay, RelaySettings
 from postbox.outbox.transports import OutboxRow, Transport
-from postbox.outbox.transports.brokers import (
-    HttpTransport,
-    NatsTransport,
-    RabbitMQTransport,
-    RedisStreamsTransport,
-)
+from postbox.outbox.transports.http import HttpTransport
+from postbox.outbox.transports.nats import NatsTransport
+from postbox.outbox.transports.rabbitmq import RabbitMQTransport
+from postbox.outbox.transports.redis import RedisStreamsTransport
 from tests.helpers import eventually, scalar
 from tests.proxy import Proxy
 

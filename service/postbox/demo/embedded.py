@@ -1,10 +1,13 @@
-"""An embedded PostgreSQL (the ``pgserver`` package) for machines without a database server."""
+"""An embedded PostgreSQL (the ``pgserver`` package, the ``embedded`` extra) for machines without a
+database server."""
 
 from __future__ import annotations
 
 import warnings
 from pathlib import Path
 from typing import Any
+
+from postbox.extras import require
 
 __all__ = ["embedded_server", "embedded_url", "resolve_database_url"]
 
@@ -20,10 +23,11 @@ def embedded_server(data_dir: Path, *, cleanup: str | None = "stop") -> Any:
     if path not in _servers:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # platformdirs complains about XDG_RUNTIME_DIR on servers
-            import pgserver  # imported lazily: starting it is slow and most processes never need it
+            # imported lazily: starting it is slow and most processes never need it
+            pgserver = require("embedded", "the embedded PostgreSQL (used when no database URL is set)")
 
             path.mkdir(parents=True, exist_ok=True)
-            _servers[path] = pgserver.get_server(path, cleanup_mode=cleanup)  # type: ignore[attr-defined]
+            _servers[path] = pgserver.get_server(path, cleanup_mode=cleanup)
     return _servers[path]
 
 

@@ -12,214 +12,22 @@ Connections are pooled and kept alive; ``max_concurrency`` bounds the requests i
 endpoint across all slots of the process. Redirects are never followed (a 3xx is a permanent
 failure): a request goes to the configured URL or nowhere.
 
-Outbound policy (:class:`OutboundPolicy`, off by default, shared with the HTTP transport):
-``http_allowed_hosts`` limits the hosts called; ``http_deny_private_networks`` refuses loopback,
-private, link-local and other non-public addresses, checked on the addresses a name resolves to
-when the connection is made (so a name that later resolves elsewhere is caught too). A refused
-request is a permanent failure naming the host and the setting. Error texts are masked
-(:func:`postbox.config.settings.mask_text`): a server echoing the URL's token does not put it in the
-failure records.
+What an endpoint shares with the HTTP transport (the client, the outbound policy of
+``http_allowed_hosts`` and ``http_deny_private_networks``, signatures, the classification of
+responses, masked error texts) is in :mod:`postbox.outbox.transports.http`. Needs the ``http``
+extra (httpx), checked when an endpoint is made.
 """
 
 from __future__ import annotations
 
-import hashlib
-import hmac
-import ipaddress
-import socket
 import threading
-import time
-from collections.abc import Iterable
-from dataclasses import dataclass
-from datetime import UTC, datetime
-from email.utils import parsedate_to_datetime
-from typing import Any
 
-import httpcore
-import httpx
-
-from postbox.config.settings import (
-    host_pattern,
-    is_secret_name,
-    mask_text,
-    register_secret,
-    register_url_secrets,
-)
-from postbox.failures.outcomes import Permanent, Retry, Transient, UnknownOutcome
 from postbox.inbox.handlers import Context, Message
 from postbox.inbox.sql_handlers import message_document
 from postbox.messages import to_json
+from postbox.outbox.transports.http import HttpTarget, OutboundPolicy
 
-__all__ = [
-    "HostRefused",
-    "HttpEndpoint",
-    "OutboundPolicy",
-    "http_client",
-    "post",
-    "raise_for_response",
-    "retry_after_seconds",
-    "sign",
-]
-
-IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
-
-
-class HostRefused(Exception):
-    """A request the outbound HTTP settings do not allow (a permanent failure)."""
-
-
-def _public(address: IPAddress) -> bool:
-    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
-        address = address.ipv4_mapped
-    return address.is_global and not address.is_multicast
-
-
-@dataclass(frozen=True)
-class OutboundPolicy:
-    """Where HTTP handlers and the HTTP transport may send requests. The default allows any host.
-
-    ``allowed_hosts``: host names, ``*.domain`` (its subdomains), IP addresses and networks (CIDR;
-    they match a URL whose host is an IP address); empty: any host. ``deny_private_networks``:
-    refuse every address that is not public (loopback, RFC 1918, link-local such as cloud
-    metadata, unique-local, CGNAT, reserved, multicast), checked on resolved addresses."""
-
-    allowed_hosts: tuple[str, ...] = ()
-    deny_private_networks: bool = False
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "allowed_hosts", tuple(host_pattern(h) for h in self.allowed_hosts))
-
-    def host_refusal(self, host: str) -> str | None:
-        """Why ``host`` (a URL's host) may not be called, or None."""
-        name = host.lower().rstrip(".").strip("[]")
-        if self.allowed_hosts and not any(_matches(pattern, name) for pattern in self.allowed_hosts):
-            return (
-                f"outbound HTTP to {name} refused: the host is not in http_allowed_hosts "
-                "([postbox] in the configuration file, or POSTBOX_HTTP_ALLOWED_HOSTS); add it there "
-                "to allow it"
-            )
-        return self.address_refusal(name, _ip(name))
-
-    def address_refusal(self, host: str, address: IPAddress | None) -> str | None:
-        """Why connecting to ``address`` (``host`` resolved) is refused, or None."""
-        if self.deny_private_networks and address is not None and not _public(address):
-            shown = host if host == str(address) else f"{host} ({address})"
-            return (
-                f"outbound HTTP to {shown} refused: not a public address, and "
-                "http_deny_private_networks is set ([postbox] in the configuration file, or "
-                "POSTBOX_HTTP_DENY_PRIVATE_NETWORKS); list the host in http_allowed_hosts and turn "
-                "http_deny_private_networks off to call it"
-            )
-        return None
-
-
-def _ip(text: str) -> IPAddress | None:
-    try:
-        return ipaddress.ip_address(text.split("%", 1)[0])
-    except ValueError:
-        return None
-
-
-def _matches(pattern: str, host: str) -> bool:
-    if "/" in pattern:
-        address = _ip(host)
-        return address is not None and address in ipaddress.ip_network(pattern)
-    if pattern.startswith("*."):
-        return host.endswith(pattern[1:]) and len(host) > len(pattern) - 1
-    address, wanted = _ip(host), _ip(pattern)
-    if address is not None and wanted is not None:
-        return address == wanted
-    return host == pattern
-
-
-class _GuardedBackend(httpcore.SyncBackend):
-    """Resolves the host itself, refuses addresses the policy does not allow, and connects to the
-    address it checked (not to a second resolution of the name)."""
-
-    def __init__(self, policy: OutboundPolicy) -> None:
-        self.policy = policy
-
-    def connect_tcp(
-        self,
-        host: str,
-        port: int,
-        timeout: float | None = None,
-        local_address: str | None = None,
-        socket_options: Iterable[Any] | None = None,
-    ) -> httpcore.NetworkStream:
-        try:
-            infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-        except OSError as error:
-            raise httpcore.ConnectError(f"cannot resolve {host}: {error}") from error
-        addresses = [ipaddress.ip_address(str(info[4][0]).split("%", 1)[0]) for info in infos]
-        for address in addresses:
-            refusal = self.policy.address_refusal(host, address)
-            if refusal is not None:
-                raise HostRefused(refusal)
-        last: Exception | None = None
-        for info in infos:
-            try:
-                return super().connect_tcp(str(info[4][0]), port, timeout, local_address, socket_options)
-            except (httpcore.ConnectError, httpcore.ConnectTimeout) as error:
-                last = error
-        raise last or httpcore.ConnectError(f"no address for {host}")
-
-
-def http_client(timeout: float, max_connections: int, policy: OutboundPolicy | None = None) -> httpx.Client:
-    """An HTTP client that never follows redirects, pools and keeps ``max_connections`` alive, and
-    with ``policy.deny_private_networks`` checks every address it connects to."""
-    limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
-    if policy is None or not policy.deny_private_networks:
-        return httpx.Client(timeout=httpx.Timeout(timeout), limits=limits, follow_redirects=False)
-    transport = httpx.HTTPTransport(limits=limits)
-    # The pool httpx builds, with the checking network backend (httpx has no public option for it;
-    # a transport given explicitly also turns off proxies from the environment, which would
-    # otherwise be connected to instead of the checked address).
-    if not isinstance(getattr(transport, "_pool", None), httpcore.ConnectionPool):
-        raise RuntimeError("postbox: this httpx version cannot check addresses (http_deny_private_networks)")
-    transport._pool = httpcore.ConnectionPool(
-        ssl_context=httpx.create_ssl_context(),
-        max_connections=limits.max_connections,
-        max_keepalive_connections=limits.max_keepalive_connections,
-        keepalive_expiry=limits.keepalive_expiry,
-        network_backend=_GuardedBackend(policy),
-    )
-    return httpx.Client(timeout=httpx.Timeout(timeout), transport=transport, follow_redirects=False)
-
-
-def register_request_secrets(url: str, secret: bytes | None, headers: dict[str, str]) -> None:
-    """Mask the URL's password and secret parameters, the HMAC secret and secret header values in
-    every output of this process."""
-    register_url_secrets(url)
-    if secret is not None:
-        register_secret(secret.decode(errors="replace"))
-    for name, value in headers.items():
-        if is_secret_name(name):
-            register_secret(value)
-            register_secret(value.partition(" ")[2])  # "Bearer <token>"
-
-
-def sign(secret: bytes, timestamp: str, body: bytes) -> str:
-    """The signature header value a receiver recomputes to authenticate a request."""
-    return "sha256=" + hmac.new(secret, timestamp.encode() + b"." + body, hashlib.sha256).hexdigest()
-
-
-def retry_after_seconds(value: str | None, now: datetime | None = None) -> float | None:
-    """``Retry-After`` as seconds: delta-seconds or an HTTP date; None if absent or unreadable."""
-    if not value:
-        return None
-    value = value.strip()
-    try:
-        return max(0.0, float(value))
-    except ValueError:
-        pass
-    try:
-        when = parsedate_to_datetime(value)
-    except (TypeError, ValueError):
-        return None
-    if when.tzinfo is None:
-        when = when.replace(tzinfo=UTC)
-    return max(0.0, (when - (now or datetime.now(UTC))).total_seconds())
+__all__ = ["HttpEndpoint"]
 
 
 class HttpEndpoint:
@@ -230,34 +38,23 @@ class HttpEndpoint:
         url: str,
         *,
         timeout: float = 10.0,
+        max_concurrency: int = 8,
         secret: bytes | None = None,
         headers: dict[str, str] | None = None,
-        max_concurrency: int = 8,
         outbound: OutboundPolicy | None = None,
     ) -> None:
-        if not url.startswith(("http://", "https://")):
-            raise ValueError(
-                f"postbox: HTTP handler URL must start with http:// or https:// (got {mask_text(url)!r})"
-            )
+        self.target = HttpTarget(
+            url, timeout, secret, headers, outbound, max_connections=max_concurrency, what="HTTP handler"
+        )
         self.url = url
-        self.secret = secret
-        self.headers = dict(headers or {})
-        register_request_secrets(url, secret, self.headers)
-        self.outbound = outbound or OutboundPolicy()
-        self._refusal = self.outbound.host_refusal(httpx.URL(url).host)
         self._gate = threading.BoundedSemaphore(max_concurrency)
-        self._client = http_client(timeout, max_concurrency, self.outbound)
 
     def close(self) -> None:
-        self._client.close()
+        self.target.close()
 
     def __call__(self, message: Message, ctx: Context) -> None:
-        if self._refusal is not None:
-            raise Permanent(self._refusal)
         body = to_json({**message_document(message), "attempt": message.attempt}).encode()
         headers = {
-            **self.headers,
-            "Content-Type": "application/json",
             "Idempotency-Key": ctx.idempotency_key,
             "X-Postbox-Message-Id": message.message_id,
             "X-Postbox-Attempt": str(message.attempt),
@@ -266,40 +63,5 @@ class HttpEndpoint:
         traceparent = message.headers.get("traceparent") if isinstance(message.headers, dict) else None
         if isinstance(traceparent, str):
             headers["traceparent"] = traceparent
-        if self.secret is not None:
-            stamp = str(int(time.time()))
-            headers["X-Postbox-Timestamp"] = stamp
-            headers["X-Postbox-Signature"] = sign(self.secret, stamp, body)
         with self._gate:
-            response = post(self._client, self.url, body, headers)
-        raise_for_response(response)
-
-
-def raise_for_response(response: httpx.Response) -> None:
-    """Success for 2xx; else the outcome its status means (Retry-After honoured)."""
-    status = response.status_code
-    if 200 <= status < 300:
-        return
-    # Masked before it is cut: a cut could leave half a URL whose password no longer looks like one.
-    detail = f"HTTP {status}: {mask_text(response.text[:8000])[:200]}".strip()
-    if status in (408, 425, 429) or status >= 500:
-        after = retry_after_seconds(response.headers.get("Retry-After"))
-        raise Retry(after=after, reason=detail) if after is not None else Transient(detail)
-    raise Permanent(detail)
-
-
-def post(client: httpx.Client, url: str, body: bytes, headers: dict[str, str]) -> httpx.Response:
-    """POST, turning transport errors into outcomes: timeouts and refused connections are
-    transient; a response lost after the request was sent is an unknown outcome; a host the
-    outbound policy refuses is permanent. Error texts are masked; the causes are not chained (their
-    texts could hold the URL)."""
-    try:
-        return client.post(url, content=body, headers=headers)
-    except HostRefused as error:
-        raise Permanent(str(error)) from None
-    except httpx.TimeoutException as error:
-        raise Transient(f"HTTP request timed out: {type(error).__name__}") from None
-    except httpx.ConnectError as error:
-        raise Transient(mask_text(f"HTTP connection failed: {error}")) from None
-    except (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError) as error:
-        raise UnknownOutcome(mask_text(f"HTTP response lost after the request was sent: {error}")) from None
+            self.target.post(body, headers)

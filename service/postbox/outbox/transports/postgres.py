@@ -15,11 +15,14 @@ import psycopg
 from postbox.config.settings import register_url_secrets
 from postbox.errors import InvalidMessage
 from postbox.failures.outcomes import Permanent
+from postbox.inbox.receive import receive_many
 from postbox.messages import InboxMessage, ReceiveResult
 from postbox.outbox.transports import OutboxRow
-from postbox.producer import receive_many
 
 __all__ = ["PostgresTransport"]
+
+EXTRA = None  # psycopg is a dependency of Postbox itself
+NAME = "PostgreSQL"
 
 
 class PostgresTransport:
@@ -90,3 +93,6 @@ class PostgresTransport:
         if self._conn is not None:
             self._conn.close()
             self._conn = None
+
+
+TRANSPORT = PostgresTransport
