@@ -2,18 +2,22 @@
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 import sys
 
 import psycopg
+import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
 from sqlalchemy import create_engine
 
 from postbox.config.settings import sqlalchemy_url
+from postbox.db.paths import sql_dir
 from postbox.schema import migrate
 from postbox.schema.declared import metadata
+from postbox.schema.render import render, render_each
 
 
 def _objects(url: str) -> set[tuple[str, str]]:
@@ -181,3 +185,25 @@ def test_downgrade_to_base_refuses_to_delete_data_unless_forced_and_removes_the_
     # Removing an empty Postbox needs no --force.
     assert _postbox(database.url, "migrate").returncode == 0
     assert _postbox(database.url, "downgrade", "base").returncode == 0
+
+
+def test_the_queue_protocol_is_one_source_rendered_identically_for_the_inbox_and_the_outbox():
+    """The queue templates render to the same SQL every time (migrations stay reproducible), leave
+    no mark behind, and give each direction its own functions with its own table and queue column."""
+    sql = migrate.upgrade_sql()
+    assert sql == migrate.upgrade_sql()
+    assert "{{" not in sql.replace("'{{", "")
+    for name in ("claim", "complete", "retry", "dead_letter", "release", "promote", "pending_commit"):
+        assert f"CREATE OR REPLACE FUNCTION postbox.inbox_{name}_v1(" in sql
+        assert f"CREATE OR REPLACE FUNCTION postbox.outbox_{name}_v1(" in sql
+    template = (sql_dir() / "functions" / "queue_v1.sql").read_text(encoding="utf-8")
+    inbox, outbox = (re.sub(r"--[^\n]*", "", render(template, d)) for d in ("inbox", "outbox"))
+    assert "outbox" not in inbox and "destination" not in inbox
+    assert "inbox" not in outbox and "consumer" not in outbox
+
+
+def test_a_template_mark_no_direction_knows_is_refused():
+    with pytest.raises(ValueError, match="unknown template word"):
+        render("SELECT {{tabel}}", "inbox")
+    with pytest.raises(ValueError, match="left unrendered"):
+        render_each("SELECT 1 {{#inbox}}")

@@ -7,7 +7,8 @@ Create Date: 2026-11-29
 
 from pathlib import Path
 
-from postbox.schema.apply_sql import run_sql, run_sql_file
+from postbox.schema.apply_sql import run_sql, run_sql_file, run_sql_template
+from postbox.schema.render import render_each
 
 revision = "0001"
 down_revision = None
@@ -21,7 +22,7 @@ FUNCTIONS = [
     "functions/inbox_receive_v1.sql",
     "functions/outbox_publish_v1.sql",
     "functions/inbox_worker_v1.sql",
-    "functions/outbox_relay_v1.sql",
+    "functions/queue_v1.sql",
     "functions/aliases_v1.sql",
     "views/views_v1.sql",
     "functions/dead_letter_ops_v1.sql",
@@ -30,30 +31,35 @@ FUNCTIONS = [
     "functions/roles_api_v1.sql",
 ]
 
+# Queue templates: applied once for the inbox and once for the outbox (postbox.schema.render).
+PER_DIRECTION = {"functions/queue_v1.sql"}
+
 # Applied after everything else: grants cover every table and function present.
 ROLES = "roles_v1.sql"
 
 TRIGGERS = """
-CREATE CONSTRAINT TRIGGER inbox_pending_commit AFTER INSERT ON postbox.inbox
+{{#each}}
+CREATE CONSTRAINT TRIGGER {{table}}_pending_commit AFTER INSERT ON postbox.{{table}}
     DEFERRABLE INITIALLY DEFERRED FOR EACH ROW WHEN (NEW.state = 'pending')
-    EXECUTE FUNCTION postbox.inbox_pending_commit_v1();
-CREATE CONSTRAINT TRIGGER outbox_pending_commit AFTER INSERT ON postbox.outbox
-    DEFERRABLE INITIALLY DEFERRED FOR EACH ROW WHEN (NEW.state = 'pending')
-    EXECUTE FUNCTION postbox.outbox_pending_commit_v1();
-CREATE TRIGGER inbox_replay_settled AFTER DELETE ON postbox.inbox
+    EXECUTE FUNCTION postbox.{{table}}_pending_commit_v1();
+CREATE TRIGGER {{table}}_replay_settled AFTER DELETE ON postbox.{{table}}
     FOR EACH ROW WHEN (OLD.replay_of IS NOT NULL) EXECUTE FUNCTION postbox.replay_settled_v1();
-CREATE TRIGGER outbox_replay_settled AFTER DELETE ON postbox.outbox
-    FOR EACH ROW WHEN (OLD.replay_of IS NOT NULL) EXECUTE FUNCTION postbox.replay_settled_v1();
+{{/each}}
 CREATE TRIGGER dead_letters_link_replay BEFORE INSERT ON postbox.dead_letters
     FOR EACH ROW EXECUTE FUNCTION postbox.dead_letter_link_replay_v1();
 """
 
 
 def upgrade() -> None:
-    run_sql(Path(__file__).with_name("0001_schema.sql").read_text(encoding="utf-8"))
+    here = Path(__file__).parent
+    run_sql((here / "0001_schema.sql").read_text(encoding="utf-8"))
+    run_sql_template(here / "0001_queues.sql")
     for name in FUNCTIONS:
-        run_sql_file(name)
-    run_sql(TRIGGERS)
+        if name in PER_DIRECTION:
+            run_sql_template(name)
+        else:
+            run_sql_file(name)
+    run_sql(render_each(TRIGGERS))
     run_sql_file(ROLES)
 
 

@@ -297,28 +297,29 @@ BEGIN
             'message_id', p_dl.message_id, 'dead_letter_id', p_dl.id));
         v_causation := p_dl.message_id;
     END IF;
-    IF p_dl.origin = 'inbox' THEN
-        SELECT id, position INTO v_head_id, v_head_pos FROM postbox.inbox WHERE id = p_dl.origin_id AND state = 'blocked' FOR UPDATE;
-        v_id := nextval(pg_get_serial_sequence('postbox.inbox', 'id'));
+    -- One branch per table, written once (postbox.schema.render repeats it for the inbox and outbox).
+{{#each}}
+    IF p_dl.origin = '{{table}}' THEN
+        SELECT id, position INTO v_head_id, v_head_pos FROM postbox.{{table}}
+         WHERE id = p_dl.origin_id AND state = 'blocked' FOR UPDATE;
+        v_id := nextval(pg_get_serial_sequence('postbox.{{table}}', 'id'));
         IF v_head_id IS NOT NULL THEN
-            DELETE FROM postbox.inbox WHERE id = v_head_id;
+            DELETE FROM postbox.{{table}} WHERE id = v_head_id;
             v_position := v_head_pos;   -- the new message takes the blocked head's place
-            v_action := CASE p_mode WHEN 'in_place' THEN 'in place' ELSE 'new message ' || v_message_id END
-                        || ': head of its key again (a new row: a stalled worker of an old attempt is fenced out)';
         ELSE
+{{#inbox}}
             SELECT c.sequence_mode INTO v_mode FROM postbox.consumers c WHERE c.name = p_dl.consumer;
+{{/inbox}}
             v_position := CASE WHEN coalesce(v_mode, 'arrival') = 'arrival' OR p_dl.sequence IS NULL
                                THEN v_id ELSE p_dl.sequence END;
-            v_action := CASE p_mode WHEN 'in_place' THEN 'in place' ELSE 'new message ' || v_message_id END
-                        || ': joined the queue of its key (the key had moved on)';
         END IF;
-        INSERT INTO postbox.inbox (id, consumer, message_id, key, sequence, position, type, schema_version,
-                                   payload, headers, correlation_id, causation_id, source, received_at, state,
-                                   available_at, replay_of)
-        VALUES (v_id, p_dl.consumer, v_message_id, p_dl.key, p_dl.sequence, v_position, p_dl.type,
-                p_dl.schema_version, v_payload, v_headers, coalesce(p_dl.correlation_id, p_dl.message_id),
-                v_causation, p_dl.source, CASE p_mode WHEN 'in_place' THEN p_dl.received_at ELSE p_now END,
+        INSERT INTO postbox.{{table}} (id, {{queue}}, message_id, key, {{#inbox}}sequence, {{/inbox}}position, type, {{#inbox}}schema_version, {{/inbox}}payload,
+                                   headers, correlation_id, causation_id, {{#inbox}}source, received_at{{/inbox}}{{#outbox}}created_at{{/outbox}}, state, available_at, replay_of)
+        VALUES (v_id, v_queue, v_message_id, p_dl.key, {{#inbox}}p_dl.sequence, {{/inbox}}v_position, p_dl.type, {{#inbox}}p_dl.schema_version, {{/inbox}}v_payload,
+                v_headers, coalesce(p_dl.correlation_id, p_dl.message_id), v_causation, {{#inbox}}p_dl.source, {{/inbox}}
+                CASE p_mode WHEN 'in_place' THEN p_dl.received_at ELSE p_now END,
                 CASE WHEN v_head_id IS NOT NULL THEN 'ready' ELSE 'pending' END, p_now, p_dl.id);
+{{#inbox}}
         IF p_mode = 'new_message' THEN
             INSERT INTO postbox.inbox_dedup (consumer, message_id, payload_hash, inbox_id, received_at)
             VALUES (p_dl.consumer, v_message_id, decode(md5(v_payload::text), 'hex'), v_id, p_now)
@@ -326,38 +327,19 @@ BEGIN
         ELSE
             UPDATE postbox.inbox_dedup SET inbox_id = v_id WHERE consumer = p_dl.consumer AND message_id = v_message_id;
         END IF;
+{{/inbox}}
         IF v_head_id IS NULL THEN
-            PERFORM postbox.inbox_promote_v1(p_dl.consumer, p_dl.key, p_now);
+            PERFORM postbox.{{table}}_promote_v1(v_queue, p_dl.key, p_now);
         END IF;
         IF postbox.notify_enabled_v1() THEN
-            PERFORM pg_notify('postbox_inbox', p_dl.consumer);
-        END IF;
-    ELSE
-        SELECT id, position INTO v_head_id, v_head_pos FROM postbox.outbox WHERE id = p_dl.origin_id AND state = 'blocked' FOR UPDATE;
-        v_id := nextval(pg_get_serial_sequence('postbox.outbox', 'id'));
-        IF v_head_id IS NOT NULL THEN
-            DELETE FROM postbox.outbox WHERE id = v_head_id;
-            v_position := v_head_pos;
-            v_action := CASE p_mode WHEN 'in_place' THEN 'in place' ELSE 'new message ' || v_message_id END
-                        || ': head of its key again (a new row: a stalled worker of an old attempt is fenced out)';
-        ELSE
-            v_position := v_id;
-            v_action := CASE p_mode WHEN 'in_place' THEN 'in place' ELSE 'new message ' || v_message_id END
-                        || ': joined the queue of its key (the key had moved on)';
-        END IF;
-        INSERT INTO postbox.outbox (id, destination, message_id, key, position, type, payload, headers,
-                                    correlation_id, causation_id, created_at, state, available_at, replay_of)
-        VALUES (v_id, p_dl.destination, v_message_id, p_dl.key, v_position, p_dl.type, v_payload, v_headers,
-                coalesce(p_dl.correlation_id, p_dl.message_id), v_causation,
-                CASE p_mode WHEN 'in_place' THEN p_dl.received_at ELSE p_now END,
-                CASE WHEN v_head_id IS NOT NULL THEN 'ready' ELSE 'pending' END, p_now, p_dl.id);
-        IF v_head_id IS NULL THEN
-            PERFORM postbox.outbox_promote_v1(p_dl.destination, p_dl.key, p_now);
-        END IF;
-        IF postbox.notify_enabled_v1() THEN
-            PERFORM pg_notify('postbox_outbox', p_dl.destination);
+            PERFORM pg_notify('{{channel}}', v_queue);
         END IF;
     END IF;
+{{/each}}
+    v_action := CASE p_mode WHEN 'in_place' THEN 'in place' ELSE 'new message ' || v_message_id END
+                || CASE WHEN v_head_id IS NOT NULL
+                        THEN ': head of its key again (a new row: a stalled worker of an old attempt is fenced out)'
+                        ELSE ': joined the queue of its key (the key had moved on)' END;
     RETURN v_action;
 END
 $$;

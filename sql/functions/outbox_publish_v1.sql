@@ -123,47 +123,15 @@ BEGIN
 END
 $$;
 
--- The outbox's head movement: like the inbox in arrival mode. Caller holds the key lock
--- exclusively (postbox.try_lock_key_v1(2, destination, key)).
-CREATE OR REPLACE FUNCTION postbox.outbox_promote_v1(p_destination text, p_key text, p_now timestamptz)
-RETURNS bigint
+-- After a key's head left: promote its next row now if the key lock is free, else file a repair.
+CREATE OR REPLACE FUNCTION postbox.outbox_next_v1(p_destination text, p_key text, p_now timestamptz)
+RETURNS void
 LANGUAGE plpgsql VOLATILE AS $$
-DECLARE
-    v_id  bigint;
 BEGIN
-    PERFORM 1 FROM postbox.outbox WHERE destination = p_destination AND key = p_key AND state <> 'pending';
-    IF FOUND THEN
-        RETURN NULL;
-    END IF;
-    SELECT id INTO v_id FROM postbox.outbox
-     WHERE destination = p_destination AND key = p_key AND state = 'pending'
-     ORDER BY position, id LIMIT 1;
-    IF NOT FOUND THEN
-        RETURN NULL;
-    END IF;
-    UPDATE postbox.outbox SET state = 'ready', available_at = p_now WHERE id = v_id;
-    IF postbox.notify_enabled_v1() THEN
-        PERFORM pg_notify('postbox_outbox', p_destination);
-    END IF;
-    RETURN v_id;
-END
-$$;
-
--- At the producer's commit, like postbox.inbox_pending_commit_v1: file a repair if the row's key
--- lost its head while the transaction was open.
-CREATE OR REPLACE FUNCTION postbox.outbox_pending_commit_v1() RETURNS trigger
-LANGUAGE plpgsql AS $$
-BEGIN
-    PERFORM postbox.lock_key_shared_v1(2, NEW.destination, NEW.key);
-    IF current_setting('transaction_isolation') = 'read committed' THEN
-        PERFORM 1 FROM postbox.outbox WHERE destination = NEW.destination AND key = NEW.key AND state <> 'pending';
+    IF postbox.try_lock_key_v1(2, p_destination, p_key) THEN
+        PERFORM postbox.outbox_promote_v1(p_destination, p_key, p_now);
     ELSE
-        PERFORM 1 FROM postbox.outbox WHERE destination = NEW.destination AND key = NEW.key AND state <> 'pending'
-            FOR KEY SHARE;
+        INSERT INTO postbox.key_repairs (origin, queue, key) VALUES ('outbox', p_destination, p_key);
     END IF;
-    IF NOT FOUND THEN
-        INSERT INTO postbox.key_repairs (origin, queue, key) VALUES ('outbox', NEW.destination, NEW.key);
-    END IF;
-    RETURN NULL;
 END
 $$;

@@ -1,32 +1,9 @@
--- Worker queries: the inbox side of the SQL functions in sql/functions/inbox_worker_v1.sql.
-
--- name: inbox_claim
-SELECT id, consumer, message_id, key, sequence, type, schema_version, payload, headers,
-       correlation_id, causation_id, source, received_at, attempt, first_failed_at, last_error,
-       last_error_type
-  FROM postbox.inbox_claim_v1(:consumer, :worker, CAST(:limit AS integer),
-                              make_interval(secs => CAST(:lease AS double precision)),
-                              CAST(:now AS timestamptz));
-
--- name: inbox_complete
-SELECT postbox.inbox_complete_v1(CAST(:ids AS bigint[]), CAST(:attempts AS integer[]), CAST(:now AS timestamptz));
-
--- name: inbox_retry
-SELECT postbox.inbox_retry_v1(CAST(:id AS bigint), CAST(:attempt AS integer), CAST(:now AS timestamptz),
-                              CAST(:retry_at AS timestamptz), :error, :error_type, :kind, :traceback,
-                              :worker, CAST(:duration_ms AS double precision), :explanation);
-
--- name: inbox_dead_letter
-SELECT postbox.inbox_dead_letter_v1(CAST(:id AS bigint), CAST(:attempt AS integer), CAST(:now AS timestamptz),
-                                    :reason, :error, :error_type, :traceback, :fingerprint, :policy, :kind,
-                                    :worker, CAST(:duration_ms AS double precision), :explanation);
+-- Worker queries besides the queue protocol (sql/queries/queue.sql): exhausting a message, heartbeats,
+-- savepoints around handlers.
 
 -- name: inbox_exhaust
 SELECT postbox.inbox_exhaust_v1(CAST(:id AS bigint), CAST(:attempt AS integer), CAST(:now AS timestamptz),
                                 CAST(:max_attempts AS integer), :fingerprint, :policy, :worker);
-
--- name: inbox_release
-SELECT postbox.inbox_release_v1(CAST(:ids AS bigint[]), CAST(:attempts AS integer[]), CAST(:now AS timestamptz));
 
 -- name: worker_heartbeat
 SELECT postbox.worker_heartbeat_v1(:id, :kind, :queue, :host, CAST(:pid AS integer),

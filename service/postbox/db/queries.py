@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from functools import cache
 
 from postbox.db.paths import sql_dir
+from postbox.schema.render import expand_if_template
 
 __all__ = ["Query", "query"]
 
@@ -33,7 +34,7 @@ def _to_psycopg(sql: str) -> str:
 def _all() -> dict[str, Query]:
     found: dict[str, Query] = {}
     for path in sorted((sql_dir() / "queries").glob("*.sql")):
-        content = path.read_text(encoding="utf-8")
+        content = expand_if_template(path.read_text(encoding="utf-8"))
         marks = list(_NAME.finditer(content))
         for i, mark in enumerate(marks):
             end = marks[i + 1].start() if i + 1 < len(marks) else len(content)

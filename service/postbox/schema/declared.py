@@ -51,18 +51,33 @@ _TS = TIMESTAMP(timezone=True)
 _NOW = text("now()")
 
 
-def _live_columns(queue: str) -> list[Column[object]]:
-    """Columns shared by the inbox and outbox: identity, routing and the retry bookkeeping."""
-    return [
+def _queue_table(name: str, queue: str, *, inbox: bool) -> Table:
+    """The inbox or the outbox: one definition for both (as ``migrations/versions/0001_queues.sql``).
+
+    ``queue`` is the column naming a row's queue; ``inbox`` adds the columns only the inbox has
+    (sequence, schema version, source, received_at) where the outbox has created_at.
+    """
+
+    def only(present: bool, *columns: Column[object]) -> list[Column[object]]:
+        return list(columns) if present else []
+
+    return Table(
+        name,
+        metadata,
         Column("id", BigInteger, primary_key=True, autoincrement=True),
         Column(queue, _C, nullable=False),
         Column("message_id", _C, nullable=False),
         Column("key", _C, nullable=False),
-    ]
-
-
-def _retry_columns() -> list[Column[object]]:
-    return [
+        *only(inbox, Column("sequence", BigInteger)),
+        Column("position", BigInteger, nullable=False),
+        Column("type", Text),
+        *only(inbox, Column("schema_version", Integer, nullable=False, server_default=text("1"))),
+        Column("payload", JSONB, nullable=False),
+        Column("headers", JSONB, nullable=False, server_default=text("'{}'::jsonb")),
+        Column("correlation_id", Text),
+        Column("causation_id", Text),
+        *only(inbox, Column("source", Text), Column("received_at", _TS, nullable=False, server_default=_NOW)),
+        *only(not inbox, Column("created_at", _TS, nullable=False, server_default=_NOW)),
         Column("state", Text, nullable=False),
         Column("available_at", _TS, nullable=False, server_default=_NOW),
         Column("attempt", Integer, nullable=False, server_default=text("0")),
@@ -74,7 +89,24 @@ def _retry_columns() -> list[Column[object]]:
         Column("claimed_by", Text),
         Column("claimed_at", _TS),
         Column("replay_of", BigInteger),
-    ]
+        CheckConstraint("state IN ('pending', 'ready', 'running', 'blocked')"),
+        Index(f"{name}_head_uq", queue, "key", unique=True, postgresql_where=text("state <> 'pending'")),
+        Index(
+            f"{name}_claim_idx",
+            queue,
+            "available_at",
+            "id",
+            postgresql_where=text("state IN ('ready', 'running')"),
+        ),
+        Index(
+            f"{name}_pending_idx",
+            queue,
+            "key",
+            "position",
+            "id",
+            postgresql_where=text("state = 'pending'"),
+        ),
+    )
 
 
 consumers = Table(
@@ -105,39 +137,7 @@ inbox_dedup = Table(
     Index("inbox_dedup_received_at_brin", "received_at", postgresql_using="brin"),
 )
 
-inbox = Table(
-    "inbox",
-    metadata,
-    *_live_columns("consumer"),
-    Column("sequence", BigInteger),
-    Column("position", BigInteger, nullable=False),
-    Column("type", Text),
-    Column("schema_version", Integer, nullable=False, server_default=text("1")),
-    Column("payload", JSONB, nullable=False),
-    Column("headers", JSONB, nullable=False, server_default=text("'{}'::jsonb")),
-    Column("correlation_id", Text),
-    Column("causation_id", Text),
-    Column("source", Text),
-    Column("received_at", _TS, nullable=False, server_default=_NOW),
-    *_retry_columns(),
-    CheckConstraint("state IN ('pending', 'ready', 'running', 'blocked')"),
-    Index("inbox_head_uq", "consumer", "key", unique=True, postgresql_where=text("state <> 'pending'")),
-    Index(
-        "inbox_claim_idx",
-        "consumer",
-        "available_at",
-        "id",
-        postgresql_where=text("state IN ('ready', 'running')"),
-    ),
-    Index(
-        "inbox_pending_idx",
-        "consumer",
-        "key",
-        "position",
-        "id",
-        postgresql_where=text("state = 'pending'"),
-    ),
-)
+inbox = _queue_table("inbox", "consumer", inbox=True)
 
 inbox_keys = Table(
     "inbox_keys",
@@ -150,42 +150,7 @@ inbox_keys = Table(
     PrimaryKeyConstraint("consumer", "key"),
 )
 
-outbox = Table(
-    "outbox",
-    metadata,
-    *_live_columns("destination"),
-    Column("position", BigInteger, nullable=False),
-    Column("type", Text),
-    Column("payload", JSONB, nullable=False),
-    Column("headers", JSONB, nullable=False, server_default=text("'{}'::jsonb")),
-    Column("correlation_id", Text),
-    Column("causation_id", Text),
-    Column("created_at", _TS, nullable=False, server_default=_NOW),
-    *_retry_columns(),
-    CheckConstraint("state IN ('pending', 'ready', 'running', 'blocked')"),
-    Index(
-        "outbox_head_uq",
-        "destination",
-        "key",
-        unique=True,
-        postgresql_where=text("state <> 'pending'"),
-    ),
-    Index(
-        "outbox_claim_idx",
-        "destination",
-        "available_at",
-        "id",
-        postgresql_where=text("state IN ('ready', 'running')"),
-    ),
-    Index(
-        "outbox_pending_idx",
-        "destination",
-        "key",
-        "position",
-        "id",
-        postgresql_where=text("state = 'pending'"),
-    ),
-)
+outbox = _queue_table("outbox", "destination", inbox=False)
 
 dead_letters = Table(
     "dead_letters",
