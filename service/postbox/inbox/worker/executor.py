@@ -16,12 +16,13 @@ import asyncio
 import inspect
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 import psycopg
 
 from postbox.failures.outcomes import Permanent
-from postbox.inbox.connection import HandlerEndedTransaction
+from postbox.inbox.connection import AsyncHandlerConnection, HandlerConnection, HandlerEndedTransaction
 from postbox.inbox.handlers import AsyncContext, Context, HandlerFunc, HandlerSpec, Message
 from postbox.inbox.worker.base import SlotBase
 from postbox.inbox.worker.settings import (
@@ -36,6 +37,8 @@ from postbox.inbox.worker.settings import (
 __all__ = ["Executor"]
 
 log = logging.getLogger("postbox.worker")
+
+_Guarded = HandlerConnection | AsyncHandlerConnection
 
 
 class Executor(SlotBase):
@@ -67,56 +70,59 @@ class Executor(SlotBase):
 
     def _run_sync(self, spec: HandlerSpec, message: Message, timeout: float) -> BaseException | None:
         assert self.conn is not None
-        conn = self.conn
-        ctx = Context(message, conn, self._session_factory)
-        conn.guard(True)
-        outcome: BaseException | None = None
-        try:
+        ctx = Context(message, self.conn, self._session_factory)
+
+        def call() -> Any:
             result = spec.func(message, ctx)
             if inspect.isawaitable(result):  # a sync function returning an awaitable
                 result = self._event_loop().run_until_complete(asyncio.wait_for(_awaitable(result), timeout))
             ctx._close_session()
-            outcome = self._returned(result, timeout)
-        except SlotStop:
-            raise
-        except BaseException as error:  # SystemExit, KeyboardInterrupt...: only this attempt fails
-            outcome = self._raised(error, timeout)
-        finally:
-            self._finish_tasks()
-            conn.guard(False)
-            if not self._end_run() and ctx._session is not None:
-                try:
-                    ctx._session.close()
-                except Exception:
-                    log.debug("closing the handler's session failed", exc_info=True)
-        return outcome
+            return result
+
+        def close() -> None:
+            if ctx._session is not None:
+                ctx._session.close()
+
+        return self._guarded(call, close, [self.conn], timeout)
 
     def _run_async(self, spec: HandlerSpec, message: Message, timeout: float) -> BaseException | None:
         assert self.conn is not None
         assert self.aconn is not None
-        conn, aconn = self.conn, self.aconn
-        ctx = AsyncContext(message, aconn, self._async_session_factory)
+        ctx = AsyncContext(message, self.aconn, self._async_session_factory)
         loop = self._event_loop()
-        conn.guard(True)
-        aconn.guard(True)
-        outcome: BaseException | None = None
+
+        def call() -> Any:
+            return loop.run_until_complete(asyncio.wait_for(_attempt(spec.func, message, ctx), timeout))
+
+        def close() -> None:
+            if ctx._session is not None:
+                loop.run_until_complete(ctx._session.close())
+
+        return self._guarded(call, close, [self.conn, self.aconn], timeout)
+
+    def _guarded(
+        self, call: Callable[[], Any], close: Callable[[], None], conns: list[_Guarded], timeout: float
+    ) -> BaseException | None:
+        """Run ``call`` (the handler) with the transaction guarded on ``conns``; its outcome. Then
+        cancel what it left running and, unless the slot was abandoned meanwhile, ``close`` its
+        session."""
+        for conn in conns:
+            conn.guard(True)
         try:
-            result = loop.run_until_complete(asyncio.wait_for(_attempt(spec.func, message, ctx), timeout))
-            outcome = self._returned(result, timeout)
+            return self._returned(call(), timeout)
         except SlotStop:
             raise
         except BaseException as error:  # SystemExit, KeyboardInterrupt...: only this attempt fails
-            outcome = self._raised(error, timeout)
+            return self._raised(error, timeout)
         finally:
             self._finish_tasks()
-            conn.guard(False)
-            aconn.guard(False)
-            if not self._end_run() and ctx._session is not None:
+            for conn in conns:
+                conn.guard(False)
+            if not self._end_run():
                 try:
-                    loop.run_until_complete(ctx._session.close())
-                except BaseException:
-                    log.debug("closing the handler's async session failed", exc_info=True)
-        return outcome
+                    close()
+                except Exception:
+                    log.debug("closing the handler's session failed", exc_info=True)
 
     def _returned(self, result: Any, timeout: float) -> BaseException | None:
         if isinstance(result, BaseException):
