@@ -31,7 +31,7 @@ from postbox.cli.root import cli
 from postbox.config.policies import build_transports, load_policies
 from postbox.config.settings import Settings, load_settings
 from postbox.inbox.handlers import Registry
-from postbox.producer import receive
+from postbox.inbox.receive import receive
 from tests.helpers import REPO, eventually, scalar, spawn_postbox
 
 COMPOSE_FILE = REPO / "docker-compose.yml"

@@ -279,6 +279,55 @@ def test_batch_errors_name_the_element(conn):
     assert count(conn, "inbox") == 0
 
 
+@pytest.mark.parametrize(
+    ("change", "field"),
+    [
+        ({"destination": ""}, "messages[1].destination"),
+        ({"destination": None}, "messages[1].destination"),
+        ({"key": "k" * 1025}, "messages[1].key"),
+        ({"headers": []}, "messages[1].headers"),
+        ({"payload": float("nan")}, "messages[1].payload"),
+        ({"sequence": 1}, "messages[1].sequence"),  # an inbox field: not an outbox event's
+    ],
+    ids=["empty-destination", "no-destination", "long-key", "headers-list", "nan", "unknown-field"],
+)
+def test_outbox_batch_errors_name_the_element(conn, change, field):
+    """publish_many checks each event as receive_many does, naming the element and field; nothing
+    of the batch is written."""
+    batch = [{"destination": "d", "payload": 1}, {"destination": "d", "payload": 1} | change]
+    with pytest.raises(InvalidMessage) as info:
+        postbox.publish_many(conn, batch)
+    assert info.value.field == field
+    assert count(conn, "outbox") == 0
+
+
+def test_outbox_batch_of_dicts_writes_what_models_write(conn):
+    """Plain dicts (checked without building a model) and OutboxMessage give the same rows."""
+    fields = [
+        {"destination": "d", "payload": {"n": 1}},
+        {
+            "destination": "d",
+            "payload": [1],
+            "key": "k",
+            "type": "t",
+            "message_id": "e-1",
+            "headers": {"h": "1"},
+        },
+        {"destination": "é", "payload": "ü", "correlation_id": "c", "causation_id": None},
+    ]
+    columns = "destination, key IS NULL, type, payload, headers, correlation_id, causation_id"
+    read = f"SELECT {columns} FROM postbox.outbox WHERE id = ANY(%s) ORDER BY id"
+    plain = postbox.publish_many(conn, fields)
+    models = postbox.publish_many(conn, [postbox.OutboxMessage(**f) for f in fields])
+    assert conn.execute(read, (plain,)).fetchall() == conn.execute(read, (models,)).fetchall()
+
+
+def test_a_batch_element_of_another_kind_is_refused(conn):
+    """An outbox event in an inbox batch (or anything but the model or a dict) is a TypeError."""
+    with pytest.raises(TypeError, match=r"messages\[0\] is a OutboxMessage"):
+        postbox.receive_many(conn, [postbox.OutboxMessage(destination="d", payload=1)])
+
+
 SQL_BAD = [
     ("consumer => '', message_id => 'm', payload => '{}'", "consumer"),
     ("consumer => 'c', message_id => NULL, payload => '{}'", "message_id"),

@@ -1,8 +1,8 @@
 """The batch receive's set-based fast path gives exactly what receiving one message at a time gives.
 
-inbox_receive_batch_v1 takes the whole batch in a few statements when every element is valid, goes
-to an arrival-ordered consumer and no id comes twice; otherwise it falls back to inbox_receive_v1
-per element. Either way the statuses, ids' order and inbox states must match the per-message path.
+Every batch form (a JSON array, columns, arrays) goes through one path, inbox_receive_many_v1: the
+whole batch in a few statements when every element is valid and goes to an arrival-ordered
+consumer; otherwise inbox_receive_v1 per element. Either way the statuses, ids' order and inbox states must match the per-message path.
 """
 
 from __future__ import annotations
@@ -16,8 +16,13 @@ import postbox
 
 
 def _fast(conn: psycopg.Connection[Any], messages: list[dict[str, Any]]) -> bool:
+    """Whether the batch is received set-based: of the JSON types its fields take, and valid as a
+    whole by the one batch check."""
     row = conn.execute(
-        "SELECT postbox.inbox_receive_set_ok_v1(%s::jsonb)", (psycopg.types.json.Jsonb(messages),)
+        "SELECT coalesce(postbox.inbox_batch_ok_v1(c.consumers, c.message_ids, c.payloads, c.keys, c.types,"
+        " c.sequences, c.headers, c.schema_versions, c.correlation_ids, c.causation_ids, c.sources), false)"
+        " FROM postbox.inbox_batch_columns_v1(%s::jsonb) AS c",
+        (psycopg.types.json.Jsonb(messages),),
     ).fetchone()
     assert row is not None
     return bool(row[0])
@@ -183,6 +188,18 @@ def test_array_batch_checks_what_python_did_not(conn):
         )
     assert info.value.sqlstate == "22PB1"
     assert info.value.diag.column_name == "payload"
+
+
+def test_array_batch_takes_a_null_headers_element_as_no_headers(conn):
+    """In the array form a NULL headers element stands for {}, as an absent one does in JSON."""
+    rows = conn.execute(
+        "SELECT status FROM postbox.inbox_receive_arrays_v1(ARRAY['a', 'b'], ARRAY['m1', 'm2'],"
+        " ARRAY['1'::jsonb, '2'], NULL, NULL, NULL, ARRAY[NULL, '{\"h\": 1}'::jsonb], NULL, NULL, NULL, NULL)"
+        " ORDER BY ordinality"
+    ).fetchall()
+    assert rows == [("new",), ("new",)]
+    headers = conn.execute("SELECT headers FROM postbox.inbox ORDER BY id").fetchall()
+    assert headers == [({},), ({"h": 1},)]
 
 
 def test_a_batch_mixing_consumers_is_one_statement(conn, database):

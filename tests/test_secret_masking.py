@@ -24,7 +24,7 @@ from psycopg import sql
 
 import postbox
 from postbox.config.settings import mask_secrets, mask_text, mask_url, register_secret
-from postbox.producer import declare_consumer
+from postbox.inbox.consumers import declare_consumer
 from tests.helpers import REPO, eventually, scalar
 
 

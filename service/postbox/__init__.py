@@ -18,21 +18,13 @@ from postbox.config.settings import Settings
 from postbox.errors import ConfigError, InvalidMessage, InvalidRequest, PostboxError
 from postbox.failures.outcomes import Permanent, Retry, Transient, UnknownOutcome
 from postbox.inbox.connection import HandlerEndedTransaction
+from postbox.inbox.consumers import declare_consumer
 from postbox.inbox.handlers import AsyncContext, Context, Message, Registry
+from postbox.inbox.receive import receive, receive_async, receive_many, receive_many_async
 from postbox.inbox.worker import Worker, WorkerSettings
 from postbox.messages import InboxMessage, OutboxMessage, ReceiveResult, ReceiveStatus
+from postbox.outbox.publish import publish, publish_async, publish_many, publish_many_async
 from postbox.outbox.relay import Relay, RelaySettings
-from postbox.producer import (
-    declare_consumer,
-    publish,
-    publish_async,
-    publish_many,
-    publish_many_async,
-    receive,
-    receive_async,
-    receive_many,
-    receive_many_async,
-)
 
 __version__ = "0.1.0"
 

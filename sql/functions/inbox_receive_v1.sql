@@ -167,11 +167,11 @@ $$;
 COMMENT ON FUNCTION postbox.inbox_receive_v1(text, text, jsonb, text, text, bigint, jsonb, integer, text, text, text)
     IS 'Receive one message in the caller''s transaction: (status new|duplicate|conflict, inbox_id). Nothing is visible to workers before the caller commits.';
 
--- The set-based core of a batch: the rows of arrays (one element per message) that the caller
--- has checked (inbox_receive_columns_v1, inbox_receive_arrays_v1 or inbox_receive_set_v1),
--- received as inbox_receive_v1 would one by one, in the arrays' order (ids are taken in that
--- order, so a key keeps its order): one statement writes the ledger rows of the whole batch, one
--- its heads, and one its queued messages if any.
+-- The set-based core of a batch: the rows of arrays (one element per message) that
+-- inbox_receive_many_v1 has checked (inbox_batch_ok_v1), received as inbox_receive_v1 would one
+-- by one, in the arrays' order (ids are taken in that order, so a key keeps its order): one
+-- statement writes the ledger rows of the whole batch, one its heads, and one its queued messages
+-- if any.
 --
 -- A fresh batch conflicts with nothing, and a plain INSERT costs far less than ON CONFLICT's
 -- speculative insertion (a batch of 500 without keys: about 35% less time in its two inserts).
@@ -329,69 +329,40 @@ $$;
 COMMENT ON FUNCTION postbox.inbox_receive_rows_v1(text[], text[], jsonb[], text[], text[], bigint[], jsonb[], integer[], text[], text[], text[])
     IS 'Internal: the set-based core of a checked batch receive.';
 
--- Whether a batch given as arrays can be received set-based: every element valid exactly as
--- inbox_receive_v1 checks it (same lengths, payload size), for consumers in arrival mode (or
--- undeclared ones while none is declared). If not, the caller takes the element-by-element path,
--- which names the bad element and field. Checked column by column (a NULL column is a field no
--- message has), each consumer once. The same id twice needs no special path: the ledger insert
--- keeps the first, and the later ones come back duplicate or conflict.
-CREATE OR REPLACE FUNCTION postbox.inbox_consumers_ok_v1(consumers text[]) RETURNS boolean
+-- The one check of a batch: whether every message is valid exactly as inbox_receive_v1 checks it
+-- (text lengths, payload and headers sizes, nesting, numbers, headers objects) and goes to a
+-- consumer in arrival mode (or an undeclared one while none is declared). If so, the batch is
+-- received set-based; if not, element by element, which names the bad element and field. Checked
+-- column by column (a NULL column is a field no message has), each consumer once, and payloads
+-- and headers on their whole JSON arrays: one check covers the usual batch. The same id twice
+-- needs no special path: the ledger insert keeps the first, and the later ones come back
+-- duplicate or conflict. (plpgsql, not sql: a sql function with a subquery is planned again in
+-- every transaction, a plpgsql one once per session.)
+CREATE OR REPLACE FUNCTION postbox.inbox_batch_ok_v1(
+    consumers text[], message_ids text[], payloads jsonb, keys text[], types text[], sequences bigint[],
+    headers jsonb, schema_versions integer[], correlation_ids text[], causation_ids text[], sources text[])
+RETURNS boolean
 LANGUAGE plpgsql STABLE AS $$
 BEGIN
-    -- (The checks are plpgsql, not sql: a sql function with a subquery is planned again in every
-    -- transaction, a plpgsql one once per session.)
     RETURN (SELECT coalesce(bool_and(coalesce(
                octet_length(u.name) BETWEEN 1 AND 200
                AND CASE WHEN c.name IS NULL THEN NOT EXISTS (SELECT 1 FROM postbox.consumers d WHERE d.declared)
                         ELSE c.sequence_mode = 'arrival' END, false)), consumers IS NOT NULL)
               FROM (SELECT DISTINCT u.name FROM unnest(consumers) AS u(name)) u
-              LEFT JOIN postbox.consumers c ON c.name = u.name);
-END
-$$;
-
-CREATE OR REPLACE FUNCTION postbox.inbox_fields_ok_v1(
-    message_ids text[], keys text[], types text[], sequences bigint[], headers jsonb[],
-    schema_versions integer[], correlation_ids text[], causation_ids text[], sources text[])
-RETURNS boolean
-LANGUAGE plpgsql STABLE AS $$
-BEGIN
-    -- A NULL column is a field no message has: nothing to check.
-    RETURN postbox.texts_ok_v1(message_ids, 512, true)
+              LEFT JOIN postbox.consumers c ON c.name = u.name)
+       AND postbox.json_array_ok_v1(payloads, postbox.max_payload_bytes_v1())
+       AND (headers IS NULL
+            OR (postbox.json_array_ok_v1(headers, postbox.max_headers_bytes_v1())
+                AND NOT jsonb_path_exists(headers, 'strict $[*] ? (@.type() != "object")')))
+       AND postbox.texts_ok_v1(message_ids, 512, true)
        AND (keys IS NULL OR postbox.texts_ok_v1(keys, 1024, false))
        AND (types IS NULL OR postbox.texts_ok_v1(types, 200, false))
        AND (correlation_ids IS NULL OR postbox.texts_ok_v1(correlation_ids, 512, false))
        AND (causation_ids IS NULL OR postbox.texts_ok_v1(causation_ids, 512, false))
        AND (sources IS NULL OR postbox.texts_ok_v1(sources, 512, false))
        AND (sequences IS NULL OR coalesce((SELECT bool_and(s >= 0) FROM unnest(sequences) AS s), true))
-       AND (schema_versions IS NULL OR coalesce((SELECT bool_and(v >= 1) FROM unnest(schema_versions) AS v), true))
-       AND (headers IS NULL
-            OR coalesce((SELECT bool_and(jsonb_typeof(coalesce(h, '{}'::jsonb)) = 'object') FROM unnest(headers) AS h), true));
+       AND (schema_versions IS NULL OR coalesce((SELECT bool_and(v >= 1) FROM unnest(schema_versions) AS v), true));
 END
-$$;
-
--- Every payload is present and passes postbox.json_problem_v1 (within postbox.max_payload_bytes
--- as JSON text, nesting, numbers).
-CREATE OR REPLACE FUNCTION postbox.inbox_payloads_ok_v1(payloads jsonb[], n integer) RETURNS boolean
-LANGUAGE plpgsql STABLE AS $$
-BEGIN
-    IF payloads IS NULL THEN
-        RETURN n = 0;
-    END IF;
-    RETURN array_position(payloads, NULL) IS NULL
-       AND postbox.jsonb_values_ok_v1(payloads, postbox.max_payload_bytes_v1());
-END
-$$;
-
-CREATE OR REPLACE FUNCTION postbox.inbox_receive_arrays_ok_v1(
-    consumers text[], message_ids text[], payloads jsonb[], keys text[], types text[], sequences bigint[],
-    headers jsonb[], schema_versions integer[], correlation_ids text[], causation_ids text[], sources text[])
-RETURNS boolean
-LANGUAGE sql STABLE AS $$
-    SELECT postbox.inbox_consumers_ok_v1(consumers)
-       AND postbox.inbox_payloads_ok_v1(payloads, coalesce(cardinality(message_ids), 0))
-       AND postbox.inbox_fields_ok_v1(message_ids, keys, types, sequences, headers, schema_versions,
-                                      correlation_ids, causation_ids, sources)
-       AND (headers IS NULL OR postbox.jsonb_values_ok_v1(headers, postbox.max_headers_bytes_v1()))
 $$;
 
 -- A batch given as arrays, received element by element (inbox_receive_each_v1), which names the
@@ -418,49 +389,63 @@ BEGIN
 END
 $$;
 
--- Batch form with one array per field (what drivers send fastest: no JSON envelope to parse);
--- element i of every array is message i. Same checks and outcomes as inbox_receive_v1 per message:
--- a batch that is not valid as a whole, or goes to a consumer ordered by sequence, is received
--- through inbox_receive_batch_v1, which names the bad element.
-CREATE OR REPLACE FUNCTION postbox.inbox_receive_arrays_v1(
-    consumers text[], message_ids text[], payloads jsonb[], keys text[], types text[], sequences bigint[],
-    headers jsonb[], schema_versions integer[], correlation_ids text[], causation_ids text[], sources text[])
+-- The one batch path, column by column: consumers, message_ids and every other field an array of
+-- one element per message (or NULL when no message has the field), payloads (and headers, or
+-- NULL) one JSON array each, which PostgreSQL reads much faster than an array of jsonb values.
+-- Checked by inbox_batch_ok_v1, then received set-based (inbox_receive_rows_v1), or else element
+-- by element, naming the first bad element and field. Element i of every column is message i: a
+-- column of another length would shift or drop fields silently (unnest pads the shorter ones), so
+-- it is refused, naming it. The batch entry points below are thin aliases of this.
+CREATE OR REPLACE FUNCTION postbox.inbox_receive_many_v1(
+    consumers text[], message_ids text[], payloads jsonb, keys text[], types text[], sequences bigint[],
+    headers jsonb, schema_versions integer[], correlation_ids text[], causation_ids text[], sources text[])
 RETURNS TABLE (ordinality bigint, status text, inbox_id bigint)
-LANGUAGE plpgsql VOLATILE SET plan_cache_mode = force_custom_plan AS $$
+LANGUAGE plpgsql VOLATILE AS $$
 #variable_conflict use_column
 DECLARE
-    v_ok boolean;
-    v_n  integer := coalesce(cardinality(message_ids), 0);
+    v_n        integer := coalesce(cardinality(message_ids), 0);
+    v_payloads jsonb[];
+    v_headers  jsonb[];
 BEGIN
-    -- Element i of every array is message i: an array of another length would shift or drop
-    -- fields silently (unnest pads the shorter ones), so it is refused.
-    PERFORM postbox.check_batch_arrays_v1(v_n, ARRAY[
-        cardinality(consumers), cardinality(payloads), cardinality(keys), cardinality(types),
-        cardinality(sequences), cardinality(headers), cardinality(schema_versions),
-        cardinality(correlation_ids), cardinality(causation_ids), cardinality(sources)],
-        ARRAY['consumers', 'payloads', 'keys', 'types', 'sequences', 'headers', 'schema_versions',
-              'correlation_ids', 'causation_ids', 'sources']);
-    v_ok := postbox.inbox_receive_arrays_ok_v1(consumers, message_ids, payloads, keys, types, sequences,
-                                               headers, schema_versions, correlation_ids, causation_ids, sources);
-    IF v_ok THEN
-        RETURN QUERY SELECT * FROM postbox.inbox_receive_rows_v1(
-            consumers, message_ids, payloads, keys, types, sequences, headers, schema_versions,
-            correlation_ids, causation_ids, sources);
+    IF message_ids IS NULL THEN
+        PERFORM postbox.reject_v1('message_ids', 'is required');
+    END IF;
+    IF payloads IS NULL OR jsonb_typeof(payloads) <> 'array' OR jsonb_array_length(payloads) <> v_n THEN
+        PERFORM postbox.reject_v1('payloads', format('must be a JSON array of %s elements, one per message id', v_n));
+    END IF;
+    IF headers IS NOT NULL AND (jsonb_typeof(headers) <> 'array' OR jsonb_array_length(headers) <> v_n) THEN
+        PERFORM postbox.reject_v1('headers', format('must be NULL or a JSON array of %s objects, one per message id', v_n));
+    END IF;
+    IF v_n = 0 THEN
         RETURN;
     END IF;
-    RETURN QUERY SELECT * FROM postbox.inbox_receive_arrays_each_v1(
-        consumers, message_ids, payloads, keys, types, sequences, headers, schema_versions,
-        correlation_ids, causation_ids, sources);
+    PERFORM postbox.check_batch_arrays_v1(v_n, ARRAY[
+        cardinality(consumers), cardinality(keys), cardinality(types), cardinality(sequences),
+        cardinality(schema_versions), cardinality(correlation_ids), cardinality(causation_ids), cardinality(sources)],
+        ARRAY['consumers', 'keys', 'types', 'sequences', 'schema_versions', 'correlation_ids', 'causation_ids',
+              'sources']);
+    v_payloads := ARRAY(SELECT e.value FROM jsonb_array_elements(payloads) WITH ORDINALITY AS e(value, n) ORDER BY e.n);
+    IF headers IS NOT NULL THEN
+        v_headers := ARRAY(SELECT e.value FROM jsonb_array_elements(headers) WITH ORDINALITY AS e(value, n) ORDER BY e.n);
+    END IF;
+    IF postbox.inbox_batch_ok_v1(consumers, message_ids, payloads, keys, types, sequences, headers, schema_versions,
+                                 correlation_ids, causation_ids, sources) THEN
+        RETURN QUERY SELECT * FROM postbox.inbox_receive_rows_v1(
+            consumers, message_ids, v_payloads, keys, types, sequences, v_headers, schema_versions,
+            correlation_ids, causation_ids, sources);
+    ELSE
+        RETURN QUERY SELECT * FROM postbox.inbox_receive_arrays_each_v1(
+            consumers, message_ids, v_payloads, keys, types, sequences, v_headers, schema_versions,
+            correlation_ids, causation_ids, sources);
+    END IF;
 END
 $$;
-COMMENT ON FUNCTION postbox.inbox_receive_arrays_v1(text[], text[], jsonb[], text[], text[], bigint[], jsonb[], integer[], text[], text[], text[])
-    IS 'Receive a batch given as one array per field, in the caller''s transaction; one (ordinality, status, inbox_id) row each.';
+COMMENT ON FUNCTION postbox.inbox_receive_many_v1(text[], text[], jsonb, text[], text[], bigint[], jsonb, integer[], text[], text[], text[])
+    IS 'Internal: the one batch path (columns, payloads and headers as JSON arrays), behind every batch entry point.';
 
--- Batch form for one consumer, one column per field: what the Python client sends (the payloads
--- travel as one JSON array, which PostgreSQL reads much faster than an array of jsonb values).
--- message_ids and payloads have one element per message; every other column is NULL (the field
--- is absent from every message) or has one element per message. Same checks and outcomes as
--- inbox_receive_arrays_v1.
+-- Batch form for one consumer, one column per field: what the Python client sends for a batch to
+-- one consumer. Payloads and headers (or NULL) are one JSON array each; every other column is
+-- NULL (no message has the field) or has one element per message.
 CREATE OR REPLACE FUNCTION postbox.inbox_receive_columns_v1(
     consumer        text,
     message_ids     text[],
@@ -474,130 +459,76 @@ CREATE OR REPLACE FUNCTION postbox.inbox_receive_columns_v1(
     causation_ids   text[]    DEFAULT NULL,
     sources         text[]    DEFAULT NULL)
 RETURNS TABLE (ordinality bigint, status text, inbox_id bigint)
-LANGUAGE plpgsql VOLATILE AS $$
-#variable_conflict use_column
-DECLARE
-    v_n        integer := coalesce(cardinality(message_ids), 0);
-    v_consumers text[];
-    v_payloads jsonb[];
-    v_headers  jsonb[];
-BEGIN
-    PERFORM postbox.check_text_v1(inbox_receive_columns_v1.consumer, 'consumer', 200, true);
-    IF message_ids IS NULL THEN
-        PERFORM postbox.reject_v1('message_ids', 'is required');
-    END IF;
-    IF payloads IS NULL OR jsonb_typeof(payloads) <> 'array' OR jsonb_array_length(payloads) <> v_n THEN
-        PERFORM postbox.reject_v1('payloads', format('must be a JSON array of %s elements, one per message id', v_n));
-    END IF;
-    IF headers IS NOT NULL AND (jsonb_typeof(headers) <> 'array' OR jsonb_array_length(headers) <> v_n) THEN
-        PERFORM postbox.reject_v1('headers', format('must be NULL or a JSON array of %s objects, one per message id', v_n));
-    END IF;
-    IF v_n = 0 THEN
-        RETURN;
-    END IF;
-    SELECT array_agg(e.value ORDER BY e.n) INTO v_payloads
-      FROM jsonb_array_elements(payloads) WITH ORDINALITY AS e(value, n);
-    IF headers IS NOT NULL THEN
-        SELECT array_agg(e.value ORDER BY e.n) INTO v_headers
-          FROM jsonb_array_elements(headers) WITH ORDINALITY AS e(value, n);
-    END IF;
-    v_consumers := array_fill(inbox_receive_columns_v1.consumer, ARRAY[v_n]);
-    PERFORM postbox.check_batch_arrays_v1(v_n, ARRAY[
-        cardinality(keys), cardinality(types), cardinality(sequences), cardinality(schema_versions),
-        cardinality(correlation_ids), cardinality(causation_ids), cardinality(sources)],
-        ARRAY['keys', 'types', 'sequences', 'schema_versions', 'correlation_ids', 'causation_ids', 'sources']);
-    IF postbox.inbox_consumers_ok_v1(ARRAY[inbox_receive_columns_v1.consumer])
-       -- Payloads and headers checked on their whole JSON arrays (sizes, nesting, numbers): one
-       -- check covers the usual batch.
-       AND postbox.json_array_ok_v1(payloads, postbox.max_payload_bytes_v1())
-       AND (headers IS NULL OR postbox.json_array_ok_v1(headers, postbox.max_headers_bytes_v1()))
-       AND postbox.inbox_fields_ok_v1(message_ids, keys, types, sequences, v_headers, schema_versions,
-                                      correlation_ids, causation_ids, sources) THEN
-        RETURN QUERY SELECT * FROM postbox.inbox_receive_rows_v1(
-            v_consumers, message_ids, v_payloads, keys, types, sequences, v_headers, schema_versions,
-            correlation_ids, causation_ids, sources);
-    ELSE
-        RETURN QUERY SELECT * FROM postbox.inbox_receive_arrays_each_v1(
-            v_consumers, message_ids, v_payloads, keys, types, sequences, v_headers, schema_versions,
-            correlation_ids, causation_ids, sources);
-    END IF;
-END
+LANGUAGE sql VOLATILE AS $$
+    SELECT * FROM postbox.inbox_receive_many_v1(
+        array_fill(consumer, ARRAY[coalesce(cardinality(message_ids), 0)]), message_ids, payloads, keys, types,
+        sequences, headers, schema_versions, correlation_ids, causation_ids, sources)
 $$;
 COMMENT ON FUNCTION postbox.inbox_receive_columns_v1(text, text[], jsonb, text[], text[], bigint[], jsonb, integer[], text[], text[], text[])
     IS 'Receive a batch for one consumer given column by column (payloads and headers as JSON arrays), in the caller''s transaction; one (ordinality, status, inbox_id) row each.';
 
--- The batch fast path. inbox_receive_set_ok_v1 says whether every element is valid exactly as
--- inbox_receive_v1 checks it (same types, lengths, payload size) and goes to a consumer in
--- arrival mode (or an undeclared one while none is declared); if not, the batch goes through
--- inbox_receive_v1 one element at a time, which names the error.
-CREATE OR REPLACE FUNCTION postbox.inbox_receive_set_ok_v1(messages jsonb) RETURNS boolean
+-- Batch form with one array per field, payloads and headers as arrays of jsonb (several consumers
+-- at once); element i of every array is message i. A NULL headers element stands for {}; a NULL
+-- payload cannot travel in a JSON array, so such a batch goes element by element, which refuses it.
+CREATE OR REPLACE FUNCTION postbox.inbox_receive_arrays_v1(
+    consumers text[], message_ids text[], payloads jsonb[], keys text[], types text[], sequences bigint[],
+    headers jsonb[], schema_versions integer[], correlation_ids text[], causation_ids text[], sources text[])
+RETURNS TABLE (ordinality bigint, status text, inbox_id bigint)
+LANGUAGE plpgsql VOLATILE AS $$
+#variable_conflict use_column
+BEGIN
+    PERFORM postbox.check_batch_arrays_v1(coalesce(cardinality(message_ids), 0),
+                                          ARRAY[cardinality(payloads), cardinality(headers)], ARRAY['payloads', 'headers']);
+    IF array_position(payloads, NULL) IS NOT NULL THEN
+        RETURN QUERY SELECT * FROM postbox.inbox_receive_arrays_each_v1(
+            consumers, message_ids, payloads, keys, types, sequences, headers, schema_versions,
+            correlation_ids, causation_ids, sources);
+        RETURN;
+    END IF;
+    RETURN QUERY SELECT * FROM postbox.inbox_receive_many_v1(
+        consumers, message_ids, to_jsonb(payloads), keys, types, sequences,
+        to_jsonb(array_replace(headers, NULL, '{}'::jsonb)), schema_versions, correlation_ids, causation_ids, sources);
+END
+$$;
+COMMENT ON FUNCTION postbox.inbox_receive_arrays_v1(text[], text[], jsonb[], text[], text[], bigint[], jsonb[], integer[], text[], text[], text[])
+    IS 'Receive a batch given as one array per field, in the caller''s transaction; one (ordinality, status, inbox_id) row each.';
+
+-- A JSON array of messages as the columns of inbox_receive_many_v1, or a row of NULLs if an
+-- element is not an object of the JSON types the fields take (text fields strings or null,
+-- sequence and schema_version integers that fit their columns, a payload present); such a batch
+-- goes element by element, which names the element and field.
+CREATE OR REPLACE FUNCTION postbox.inbox_batch_columns_v1(
+    messages jsonb, OUT consumers text[], OUT message_ids text[], OUT payloads jsonb, OUT keys text[],
+    OUT types text[], OUT sequences bigint[], OUT headers jsonb, OUT schema_versions integer[],
+    OUT correlation_ids text[], OUT causation_ids text[], OUT sources text[])
 LANGUAGE sql STABLE AS $$
-    WITH m AS (
-        SELECT e.value AS v, e.value ->> 'consumer' AS consumer, e.value ->> 'message_id' AS message_id,
-               (e.value -> 'payload')::text AS payload, (e.value -> 'headers')::text AS headers
-          FROM jsonb_array_elements(messages) AS e
-         WHERE jsonb_typeof(messages) = 'array')
-    SELECT coalesce(bool_and(
+    SELECT array_agg(m.v ->> 'consumer' ORDER BY m.n),
+           array_agg(m.v ->> 'message_id' ORDER BY m.n),
+           jsonb_agg(m.v -> 'payload' ORDER BY m.n),
+           array_agg(m.v ->> 'key' ORDER BY m.n),
+           array_agg(m.v ->> 'type' ORDER BY m.n),
+           array_agg(CASE WHEN m.seq ~ '^-?[0-9]{1,18}$' THEN m.seq::bigint END ORDER BY m.n),
+           jsonb_agg(coalesce(m.v -> 'headers', '{}'::jsonb) ORDER BY m.n),
+           array_agg(CASE WHEN m.ver ~ '^-?[0-9]{1,9}$' THEN m.ver::integer ELSE 1 END ORDER BY m.n),
+           array_agg(m.v ->> 'correlation_id' ORDER BY m.n),
+           array_agg(m.v ->> 'causation_id' ORDER BY m.n),
+           array_agg(m.v ->> 'source' ORDER BY m.n)
+      FROM (SELECT e.value AS v, e.n, e.value ->> 'sequence' AS seq, e.value ->> 'schema_version' AS ver
+              FROM jsonb_array_elements(messages) WITH ORDINALITY AS e(value, n)) m
+    HAVING bool_and(
                jsonb_typeof(m.v) = 'object'
-               AND jsonb_typeof(m.v -> 'consumer') = 'string'
-               AND jsonb_typeof(m.v -> 'message_id') = 'string'
+               AND m.v ? 'payload'
+               AND coalesce(jsonb_typeof(m.v -> 'consumer'), 'null') IN ('string', 'null')
+               AND coalesce(jsonb_typeof(m.v -> 'message_id'), 'null') IN ('string', 'null')
                AND coalesce(jsonb_typeof(m.v -> 'key'), 'null') IN ('string', 'null')
                AND coalesce(jsonb_typeof(m.v -> 'type'), 'null') IN ('string', 'null')
                AND coalesce(jsonb_typeof(m.v -> 'correlation_id'), 'null') IN ('string', 'null')
                AND coalesce(jsonb_typeof(m.v -> 'causation_id'), 'null') IN ('string', 'null')
                AND coalesce(jsonb_typeof(m.v -> 'source'), 'null') IN ('string', 'null')
-               -- CASE, not AND: a number is only cast once it is known to be an integer literal.
                AND CASE coalesce(jsonb_typeof(m.v -> 'sequence'), 'null')
-                       WHEN 'null' THEN true
-                       WHEN 'number' THEN (m.v ->> 'sequence') !~ '[.eE]' AND length(m.v ->> 'sequence') <= 18
-                                          AND (m.v ->> 'sequence')::numeric >= 0
-                       ELSE false END
+                       WHEN 'null' THEN true WHEN 'number' THEN m.seq ~ '^-?[0-9]{1,18}$' ELSE false END
                AND CASE coalesce(jsonb_typeof(m.v -> 'schema_version'), 'null')
-                       WHEN 'null' THEN true
-                       WHEN 'number' THEN (m.v ->> 'schema_version') !~ '[.eE]' AND length(m.v ->> 'schema_version') <= 9
-                                          AND (m.v ->> 'schema_version')::numeric >= 1
-                       ELSE false END
-               AND octet_length(m.consumer) BETWEEN 1 AND 200
-               AND octet_length(m.message_id) BETWEEN 1 AND 512
-               AND coalesce(octet_length(m.v ->> 'key') BETWEEN 1 AND 1024, true)
-               AND coalesce(octet_length(m.v ->> 'type') BETWEEN 1 AND 200, true)
-               AND coalesce(octet_length(m.v ->> 'correlation_id') BETWEEN 1 AND 512, true)
-               AND coalesce(octet_length(m.v ->> 'causation_id') BETWEEN 1 AND 512, true)
-               AND coalesce(octet_length(m.v ->> 'source') BETWEEN 1 AND 512, true)
-               AND m.v -> 'payload' IS NOT NULL
-               AND octet_length(m.payload) <= postbox.max_payload_bytes_v1()
-               AND jsonb_typeof(coalesce(m.v -> 'headers', '{}'::jsonb)) = 'object'
-               AND coalesce(octet_length(m.headers) <= postbox.max_headers_bytes_v1(), true)
-               -- A number of more than 4300 digits is a long run of digits in the text.
-               AND m.payload !~ '[0-9]{255}' AND coalesce(m.headers !~ '[0-9]{255}', true)
-               AND (CASE WHEN c.name IS NULL THEN NOT EXISTS (SELECT 1 FROM postbox.consumers d WHERE d.declared)
-                         ELSE c.sequence_mode = 'arrival' END)), true)
-           -- Nesting, on the whole array: level n of a payload (0 its top) is the array's n + 2.
-           AND NOT jsonb_path_exists(messages, 'strict $.**{66}')
-      FROM m LEFT JOIN postbox.consumers c ON c.name = m.consumer
-$$;
-
--- Receive a batch that inbox_receive_set_ok_v1 accepted: its JSON read once into one array per
--- field, then the set-based core.
-CREATE OR REPLACE FUNCTION postbox.inbox_receive_set_v1(messages jsonb)
-RETURNS TABLE (ordinality bigint, status text, inbox_id bigint)
-LANGUAGE sql VOLATILE AS $$
-    SELECT r.*
-      FROM (SELECT array_agg(e.value ->> 'consumer' ORDER BY e.ordinality) AS consumers,
-                   array_agg(e.value ->> 'message_id' ORDER BY e.ordinality) AS message_ids,
-                   array_agg(e.value -> 'payload' ORDER BY e.ordinality) AS payloads,
-                   array_agg(e.value ->> 'key' ORDER BY e.ordinality) AS keys,
-                   array_agg(e.value ->> 'type' ORDER BY e.ordinality) AS types,
-                   array_agg((e.value ->> 'sequence')::bigint ORDER BY e.ordinality) AS sequences,
-                   array_agg(e.value -> 'headers' ORDER BY e.ordinality) AS headers,
-                   array_agg((e.value ->> 'schema_version')::integer ORDER BY e.ordinality) AS schema_versions,
-                   array_agg(e.value ->> 'correlation_id' ORDER BY e.ordinality) AS correlation_ids,
-                   array_agg(e.value ->> 'causation_id' ORDER BY e.ordinality) AS causation_ids,
-                   array_agg(e.value ->> 'source' ORDER BY e.ordinality) AS sources
-              FROM jsonb_array_elements(messages) WITH ORDINALITY AS e) a,
-           LATERAL postbox.inbox_receive_rows_v1(a.consumers, a.message_ids, a.payloads, a.keys, a.types,
-                                                 a.sequences, a.headers, a.schema_versions, a.correlation_ids,
-                                                 a.causation_ids, a.sources) AS r
+                       WHEN 'null' THEN true WHEN 'number' THEN m.ver ~ '^-?[0-9]{1,9}$' ELSE false END)
 $$;
 
 -- Batch form: messages is a JSON array of objects with the same fields as inbox_receive_v1.
@@ -606,17 +537,20 @@ CREATE OR REPLACE FUNCTION postbox.inbox_receive_batch_v1(messages jsonb)
 RETURNS TABLE (ordinality bigint, status text, inbox_id bigint)
 LANGUAGE plpgsql VOLATILE AS $$
 #variable_conflict use_column
+DECLARE
+    c record;
 BEGIN
     IF messages IS NULL OR jsonb_typeof(messages) <> 'array' THEN
         PERFORM postbox.reject_v1('messages', 'must be a JSON array');
     END IF;
-    IF postbox.inbox_receive_set_ok_v1(messages) THEN
-        -- The common case (valid input, arrival-ordered consumers): set-based, a few statements
-        -- for the whole batch instead of a few per message.
-        RETURN QUERY SELECT * FROM postbox.inbox_receive_set_v1(messages);
+    SELECT * INTO c FROM postbox.inbox_batch_columns_v1(messages);
+    IF c.message_ids IS NULL THEN
+        RETURN QUERY SELECT * FROM postbox.inbox_receive_each_v1(messages);
         RETURN;
     END IF;
-    RETURN QUERY SELECT * FROM postbox.inbox_receive_each_v1(messages);
+    RETURN QUERY SELECT * FROM postbox.inbox_receive_many_v1(
+        c.consumers, c.message_ids, c.payloads, c.keys, c.types, c.sequences, c.headers, c.schema_versions,
+        c.correlation_ids, c.causation_ids, c.sources);
 END
 $$;
 COMMENT ON FUNCTION postbox.inbox_receive_batch_v1(jsonb)

@@ -12,11 +12,8 @@ SELECT status, inbox_id FROM postbox.inbox_receive_v1(
 -- The size limits in force for this session (payload, headers), read before sending a large message.
 SELECT postbox.max_payload_bytes_v1(), postbox.max_headers_bytes_v1();
 
--- name: inbox_receive_batch
-SELECT ordinality, status, inbox_id FROM postbox.inbox_receive_batch_v1(CAST(:messages AS jsonb))
-ORDER BY ordinality;
-
 -- name: inbox_receive_columns
+-- A batch to one consumer; inbox_receive_arrays is the same batch mixing consumers.
 SELECT ordinality, status, inbox_id FROM postbox.inbox_receive_columns_v1(
     consumer => :consumer, message_ids => CAST(:message_ids AS text[]), payloads => CAST(:payloads AS jsonb),
     keys => CAST(:keys AS text[]), types => CAST(:types AS text[]), sequences => CAST(:sequences AS bigint[]),

@@ -36,10 +36,10 @@ from postbox.config.settings import mask_text, mask_url
 from postbox.errors import ConfigError
 from postbox.failures.breaker import BreakerSettings
 from postbox.failures.policy import RetryPolicy
+from postbox.inbox.consumers import declare_consumer
 from postbox.inbox.handlers import Registry
 from postbox.inbox.sql_handlers import check_function_exists
 from postbox.inbox.worker import Worker, WorkerSettings
-from postbox.producer import declare_consumer
 from postbox.schema import migrate as migrations
 
 __all__ = ["main"]

@@ -34,7 +34,7 @@ from postbox.deadletters.ops import DeadLetterFilter
 from postbox.deadletters.replay import ReplayJob, ReplayOptions, ReplayRunner
 from postbox.failures.outcomes import Permanent, Transient
 from postbox.inbox.handlers import Context, Message, Registry
-from postbox.producer import receive_many
+from postbox.inbox.receive import receive_many
 from postbox.schema import migrate as migrations
 
 __all__ = ["registry", "run_demo"]

@@ -112,7 +112,7 @@ class Context(_AttemptContext):
 
     def publish(self, destination: str, payload: Any, **fields: Any) -> int:
         """Write an outbox event in this transaction; correlation and causation follow this message."""
-        from postbox.producer import publish
+        from postbox.outbox.publish import publish
 
         return publish(self.conn, self._outbox_message(destination, payload, fields))
 
@@ -150,7 +150,7 @@ class AsyncContext(_AttemptContext):
 
     async def publish(self, destination: str, payload: Any, **fields: Any) -> int:
         """Write an outbox event in this transaction; correlation and causation follow this message."""
-        from postbox.producer import publish_async
+        from postbox.outbox.publish import publish_async
 
         return await publish_async(self.conn, self._outbox_message(destination, payload, fields))
 

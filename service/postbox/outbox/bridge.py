@@ -24,9 +24,9 @@ import psycopg
 from pydantic import ValidationError
 
 from postbox.errors import InvalidMessage
+from postbox.inbox.receive import receive_many
 from postbox.messages import InboxMessage, ReceiveResult
 from postbox.operations import metrics
-from postbox.producer import receive_many
 
 __all__ = ["Bridge", "Incoming", "NatsSource", "RabbitMQSource", "RedisSource", "Source", "source_for"]
 

@@ -1,0 +1,159 @@
+"""The producer API, inbox side: receive messages inside the caller's own transaction.
+
+Every function takes the caller's connection or session (psycopg or SQLAlchemy, sync or async),
+never opens one and never commits: the message becomes visible when the caller commits, and
+disappears with a rollback. Sync and async share the same validation and the same SQL; only the
+final call is awaited.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from postbox import limits
+from postbox.db import AnyAsyncConnection, AnySyncConnection
+from postbox.db.connector import first
+from postbox.limits import HEADERS, PAYLOAD, Large, run_checked, run_checked_async
+from postbox.messages import INBOX_DEFAULTS, InboxMessage, ReceiveResult, ReceiveStatus, batch_items, checked
+from postbox.values import to_sql_json
+
+__all__ = ["receive", "receive_async", "receive_many", "receive_many_async"]
+
+# A batch to one consumer (payloads and headers as one JSON array each: the fastest form), and the
+# same batch mixing consumers (one array per field); both go through the one batch path in SQL.
+_COLUMNS = "inbox_receive_columns"
+_ARRAYS = "inbox_receive_arrays"
+
+# The optional columns of a batch, with the field each holds.
+_OPTIONAL_COLUMNS = (
+    ("keys", "key"),
+    ("types", "type"),
+    ("sequences", "sequence"),
+    ("schema_versions", "schema_version"),
+    ("correlation_ids", "correlation_id"),
+    ("causation_ids", "causation_id"),
+    ("sources", "source"),
+)
+
+
+def _batch_call(items: list[dict[str, Any]]) -> tuple[str, dict[str, Any]]:
+    """The query and bind parameters that receive ``items`` in one statement, column by column.
+    A field no message has (absent or its default) travels as NULL."""
+    present = set().union(*items)  # the fields some item has: the others need no scan
+    columns: dict[str, Any] = {"message_ids": [m["message_id"] for m in items]}
+    for column, name in _OPTIONAL_COLUMNS:
+        values = None
+        if name in present:
+            default = INBOX_DEFAULTS[name]
+            values = [m.get(name, default) for m in items]
+            if all(v == default for v in values):
+                values = None
+        columns[column] = values
+    headers = [m.get("headers") or {} for m in items] if "headers" in present else None
+    if headers is not None and not any(headers):
+        headers = None
+    consumers = [m["consumer"] for m in items]
+    if consumers.count(consumers[0]) == len(consumers):
+        return _COLUMNS, columns | {
+            "consumer": consumers[0],
+            "payloads": to_sql_json([m["payload"] for m in items]),
+            "headers": None if headers is None else to_sql_json(headers),
+        }
+    return _ARRAYS, columns | {
+        "consumers": consumers,
+        "payloads": [to_sql_json(m["payload"]) for m in items],
+        "headers": None if headers is None else [to_sql_json(h) for h in headers],
+    }
+
+
+def _batch_large(items: list[dict[str, Any]], name: str, params: dict[str, Any]) -> list[Large]:
+    """The payloads and headers of a batch that must be checked against the server's limits.
+    The columns form sends each as one JSON array: no element is longer than the array, so only
+    a long array has its elements measured one by one."""
+    found: list[Large] = []
+    if name == _COLUMNS:
+        if limits.large("payloads", PAYLOAD, params["payloads"], []):
+            limits.large_items([m["payload"] for m in items], "payload", PAYLOAD, found)
+        if limits.large("headers", HEADERS, params["headers"], []):
+            limits.large_items([m.get("headers") or {} for m in items], "headers", HEADERS, found)
+        return found
+    for i, text in enumerate(params["payloads"]):
+        limits.large(f"messages[{i}].payload", PAYLOAD, text, found)
+    for i, text in enumerate(params["headers"] or ()):
+        limits.large(f"messages[{i}].headers", HEADERS, text, found)
+    return found
+
+
+def _batch(
+    messages: Iterable[InboxMessage | dict[str, Any]],
+) -> tuple[str, dict[str, Any], list[Large]] | None:
+    """A checked batch's query, bind parameters and what to check against the limits; None if empty."""
+    items = batch_items(InboxMessage, messages)
+    if not items:
+        return None
+    name, params = _batch_call(items)
+    return name, params, _batch_large(items, name, params)
+
+
+def _one(message: InboxMessage | None, fields: dict[str, Any]) -> tuple[dict[str, Any], list[Large]]:
+    params = checked(InboxMessage, message, fields).params()
+    return params, limits.large_params(params)
+
+
+_STATUSES = {s.value: s for s in ReceiveStatus}
+_new_result = object.__new__
+_set_field = object.__setattr__
+
+
+def _receive_result(row: Sequence[Any]) -> ReceiveResult:
+    return ReceiveResult(status=_STATUSES[row[0]], inbox_id=row[1])
+
+
+def _receive_results(rows: Iterable[Sequence[Any]]) -> list[ReceiveResult]:
+    """One result per (ordinality, status, inbox_id) row: built field by field, since a batch
+    builds one per message and the checked constructor costs twice as much."""
+    results = []
+    for _, status, inbox_id in rows:
+        r = _new_result(ReceiveResult)
+        _set_field(r, "status", _STATUSES[status])
+        _set_field(r, "inbox_id", inbox_id)
+        results.append(r)
+    return results
+
+
+def receive(conn: AnySyncConnection, message: InboxMessage | None = None, /, **fields: Any) -> ReceiveResult:
+    """Receive one message into the inbox in ``conn``'s transaction.
+
+    Pass an :class:`InboxMessage` or its fields as keywords (``consumer``, ``message_id``,
+    ``payload``, ``key``, ``type``, ``sequence``, ``headers``, ...). Returns whether the message is
+    new, a duplicate, or a conflict (same id, other payload: nothing written). Raises
+    :class:`InvalidMessage` naming the field for bad input, before anything is written: before
+    the round trip (the caller's transaction goes on), except what only the database knows (an
+    undeclared consumer, a sequenced consumer without ``sequence``, a size limit set below
+    ``CHECKED_ABOVE_BYTES``), which the server refuses, aborting the caller's transaction.
+    """
+    return _receive_result(first(run_checked(conn, "inbox_receive", *_one(message, fields))))
+
+
+def receive_many(
+    conn: AnySyncConnection, messages: Iterable[InboxMessage | dict[str, Any]]
+) -> list[ReceiveResult]:
+    """Receive several messages in one round trip; results are in the same order."""
+    batch = _batch(messages)
+    return [] if batch is None else _receive_results(run_checked(conn, *batch))
+
+
+async def receive_async(
+    conn: AnyAsyncConnection, message: InboxMessage | None = None, /, **fields: Any
+) -> ReceiveResult:
+    """:func:`receive` for psycopg ``AsyncConnection`` and SQLAlchemy async sessions/connections."""
+    return _receive_result(first(await run_checked_async(conn, "inbox_receive", *_one(message, fields))))
+
+
+async def receive_many_async(
+    conn: AnyAsyncConnection, messages: Iterable[InboxMessage | dict[str, Any]]
+) -> list[ReceiveResult]:
+    """:func:`receive_many` for async connections."""
+    batch = _batch(messages)
+    return [] if batch is None else _receive_results(await run_checked_async(conn, *batch))
