@@ -14,7 +14,7 @@ from typing import Any
 from postbox import limits
 from postbox.db import AnyAsyncConnection, AnySyncConnection
 from postbox.db.connector import first
-from postbox.limits import HEADERS, PAYLOAD, Large, run_checked, run_checked_async
+from postbox.limits import Large, run_checked, run_checked_async
 from postbox.messages import INBOX_DEFAULTS, InboxMessage, ReceiveResult, ReceiveStatus, batch_items, checked
 from postbox.values import to_sql_json
 
@@ -73,15 +73,15 @@ def _batch_large(items: list[dict[str, Any]], name: str, params: dict[str, Any])
     a long array has its elements measured one by one."""
     found: list[Large] = []
     if name == _COLUMNS:
-        if limits.large("payloads", PAYLOAD, params["payloads"], []):
-            limits.large_items([m["payload"] for m in items], "payload", PAYLOAD, found)
-        if limits.large("headers", HEADERS, params["headers"], []):
-            limits.large_items([m.get("headers") or {} for m in items], "headers", HEADERS, found)
+        if limits.large("payloads", limits.PAYLOAD, params["payloads"], []):
+            limits.large_items([m["payload"] for m in items], "payload", limits.PAYLOAD, found)
+        if limits.large("headers", limits.HEADERS, params["headers"], []):
+            limits.large_items([m.get("headers") or {} for m in items], "headers", limits.HEADERS, found)
         return found
     for i, text in enumerate(params["payloads"]):
-        limits.large(f"messages[{i}].payload", PAYLOAD, text, found)
+        limits.large(f"messages[{i}].payload", limits.PAYLOAD, text, found)
     for i, text in enumerate(params["headers"] or ()):
-        limits.large(f"messages[{i}].headers", HEADERS, text, found)
+        limits.large(f"messages[{i}].headers", limits.HEADERS, text, found)
     return found
 
 
@@ -131,7 +131,8 @@ def receive(conn: AnySyncConnection, message: InboxMessage | None = None, /, **f
     :class:`InvalidMessage` naming the field for bad input, before anything is written: before
     the round trip (the caller's transaction goes on), except what only the database knows (an
     undeclared consumer, a sequenced consumer without ``sequence``, a size limit set below
-    ``CHECKED_ABOVE_BYTES``), which the server refuses, aborting the caller's transaction.
+    ``postbox.limits.CHECKED_ABOVE_BYTES``), which the server refuses, aborting the caller's
+    transaction.
     """
     return _receive_result(first(run_checked(conn, "inbox_receive", *_one(message, fields))))
 
