@@ -89,7 +89,10 @@ class SlotBase:
 
     # --- connecting ------------------------------------------------------------------------
 
-    def _connect(self) -> HandlerConnection:
+    def _connect(self, *, for_handlers: bool = True) -> HandlerConnection:
+        """A connection for this slot (retried with backoff until the worker stops); with what
+        handlers use over it (SQLAlchemy engines, the async connection) unless ``for_handlers``
+        is false (a slot that only settles an abandoned batch)."""
         backoff = 0.05
         while True:
             try:
@@ -100,8 +103,9 @@ class SlotBase:
                     options=f"-c idle_in_transaction_session_timeout={int(self.settings.lease_seconds * 1000)}",
                 )
                 self._backend_pid = conn.info.backend_pid
-                self._engine = self._sqlalchemy_engine(conn)
-                if self._has_async:
+                if for_handlers:
+                    self._engine = self._sqlalchemy_engine(conn)
+                if for_handlers and self._has_async:
                     self._connect_async(conn)
                 return conn
             except psycopg.OperationalError as error:

@@ -80,7 +80,7 @@ class Completer(SlotBase):
     def settle_only(self) -> None:
         """Settle the inheritance on a connection of this slot's own, then close it (no claiming)."""
         try:
-            self.conn = self._connect()
+            self.conn = self._connect(for_handlers=False)
             self._settle_inheritance()
         except (SlotStop, psycopg.Error) as error:
             log.warning(
