@@ -363,11 +363,11 @@ LANGUAGE plpgsql AS $$
 DECLARE
     v_prev bigint;
 BEGIN
-    IF NEW.origin = 'inbox' THEN
-        SELECT replay_of INTO v_prev FROM postbox.inbox WHERE id = NEW.origin_id;
-    ELSE
-        SELECT replay_of INTO v_prev FROM postbox.outbox WHERE id = NEW.origin_id;
+{{#each}}
+    IF NEW.origin = '{{table}}' THEN
+        SELECT replay_of INTO v_prev FROM postbox.{{table}} WHERE id = NEW.origin_id;
     END IF;
+{{/each}}
     IF v_prev IS NOT NULL THEN
         UPDATE postbox.dead_letters
            SET status = 'replay_failed', status_changed_at = NEW.dead_lettered_at,

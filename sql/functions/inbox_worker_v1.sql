@@ -93,9 +93,9 @@ CREATE OR REPLACE FUNCTION postbox.reap_stale_workers_v1(p_stale_after interval,
 RETURNS integer
 LANGUAGE plpgsql VOLATILE AS $$
 DECLARE
-    v_stale  text[];
-    v_inbox  integer;
-    v_outbox integer;
+    v_stale     text[];
+    v_count     integer;
+    v_released  integer := 0;
 BEGIN
     WITH gone AS (
         DELETE FROM postbox.workers WHERE heartbeat_at < p_now - p_stale_after RETURNING id)
@@ -104,13 +104,13 @@ BEGIN
         RETURN 0;
     END IF;
     -- Make their messages due now: the next claim counts the lost attempt and records why.
-    UPDATE postbox.inbox SET available_at = p_now
+{{#each}}
+    UPDATE postbox.{{table}} SET available_at = p_now
      WHERE state = 'running' AND claimed_by = ANY (v_stale) AND available_at > p_now;
-    GET DIAGNOSTICS v_inbox = ROW_COUNT;
-    UPDATE postbox.outbox SET available_at = p_now
-     WHERE state = 'running' AND claimed_by = ANY (v_stale) AND available_at > p_now;
-    GET DIAGNOSTICS v_outbox = ROW_COUNT;
-    RETURN v_inbox + v_outbox;
+    GET DIAGNOSTICS v_count = ROW_COUNT;
+    v_released := v_released + v_count;
+{{/each}}
+    RETURN v_released;
 END
 $$;
 COMMENT ON FUNCTION postbox.reap_stale_workers_v1(interval, timestamptz)

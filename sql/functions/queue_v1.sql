@@ -119,9 +119,11 @@ BEGIN
     d AS (
         DELETE FROM postbox.{{table}} q USING t WHERE q.id = t.id RETURNING q.id, q.{{queue}}, q.key)
     SELECT array_agg(d.id), array_agg(d.{{queue}}), array_agg(d.key) INTO v_done, v_queues, v_keys FROM d;
-    v_lost := ARRAY(SELECT u.id FROM unnest(p_ids) AS u(id) WHERE u.id <> ALL(coalesce(v_done, '{}')));
     IF v_done IS NULL THEN
-        RETURN v_lost;
+        RETURN coalesce(p_ids, '{}');
+    END IF;
+    IF cardinality(v_done) < cardinality(p_ids) THEN
+        v_lost := ARRAY(SELECT u.id FROM unnest(p_ids) AS u(id) WHERE u.id <> ALL(v_done));
     END IF;
     WITH k AS MATERIALIZED (
         SELECT x.queue, x.key, postbox.try_lock_key_v1({{lock}}, x.queue, x.key) AS locked
