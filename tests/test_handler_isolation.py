@@ -304,9 +304,11 @@ def test_connect_timeout_gives_up_with_a_clear_error(db, tmp_path, command):
     proxy, url = database_proxy(db.url)
     proxy.down()
     log = tmp_path / "process.log"
+    config = tmp_path / "postbox.toml"  # a relay needs a destination before it waits for anything
+    config.write_text('[destinations.elsewhere]\nkind = "postgres"\nconsumer = "mis"\n')
     with open(log, "wb") as out:
         p = spawn_postbox(
-            "--database-url", url, *command, "--connect-timeout", "1.5",
+            "--config", str(config), "--database-url", url, *command, "--connect-timeout", "1.5",
             stderr=out.fileno(),
         )  # fmt: skip
     assert p.wait(30) == 1

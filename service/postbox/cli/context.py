@@ -2,29 +2,33 @@
 
 from __future__ import annotations
 
-import signal
 import sys
 import threading
 from collections.abc import Callable
+from typing import Any
 
 import click
 
 from postbox.config.settings import Settings, load_settings
 from postbox.demo.embedded import resolve_database_url
-from postbox.errors import ConfigError
-from postbox.operations.runtime import DatabaseUnreachable, wait_for_database
+from postbox.operations.process import ProcessSpec, Service, StartupFailed, await_database, run_process
 
-__all__ = ["await_database", "connect_timeout_option", "database_url", "settings"]
+__all__ = [
+    "connect_timeout_option",
+    "database_url",
+    "run_service",
+    "serve_metrics",
+    "settings",
+    "wait_for_database",
+]
 
 
 def settings(ctx: click.Context) -> Settings:
     """The settings from the environment, ``--config`` and ``--database-url`` (loaded once)."""
     obj = ctx.ensure_object(dict)
     if "settings" not in obj:
-        try:
-            obj["settings"] = load_settings(obj.get("config"), database_url=obj.get("database_url"))
-        except ConfigError as error:
-            raise click.ClickException(str(error)) from None
+        # A ConfigError goes up to main: "postbox: <what is wrong, where>", exit 2.
+        obj["settings"] = load_settings(obj.get("config"), database_url=obj.get("database_url"))
     loaded: Settings = obj["settings"]
     return loaded
 
@@ -50,35 +54,74 @@ def connect_timeout_option(f: Callable[..., None]) -> Callable[..., None]:
     )(f)
 
 
-def await_database(
-    url: str, what: str, timeout: float | None, stopping: threading.Event | None = None
+def serve_metrics(ctx: click.Context, settings: Settings, url: str, ready: Callable[[], bool]) -> Any:
+    """Start the metrics endpoint of this process if a port is configured."""
+    from postbox.operations.metrics import start_observability
+
+    obj = ctx.find_root().ensure_object(dict)
+    port = obj.get("metrics_port")
+    host = obj.get("metrics_host")
+    return start_observability(
+        url,
+        port=settings.metrics_port if port is None else port,
+        host=settings.metrics_host if host is None else host,
+        ready=ready,
+        db_interval=settings.db_metrics_interval_seconds,
+    )
+
+
+def _check_schema(what: str) -> Callable[[str], str | None]:
+    def check(url: str) -> str | None:
+        from postbox.schema.migrate import SchemaNotReady, check_schema
+
+        try:
+            return check_schema(url)
+        except SchemaNotReady as error:
+            raise StartupFailed(f"{what}: {error}") from None
+
+    return check
+
+
+def _spec(ctx: click.Context, what: str, url: str, connect_timeout: float | None, **kw: Any) -> ProcessSpec:
+    return ProcessSpec(
+        what=what,
+        url=url,
+        connect_timeout=connect_timeout,
+        serve=lambda ready: serve_metrics(ctx, settings(ctx), url, ready),
+        check_schema=_check_schema(what),
+        say=lambda text: click.echo(f"postbox: {text}", err=True),
+        **kw,
+    )
+
+
+def wait_for_database(ctx: click.Context, what: str, url: str, connect_timeout: float | None) -> None:
+    """Wait for the database before a command that runs once (``maintain --once``)."""
+    try:
+        await_database(_spec(ctx, what, url, connect_timeout), threading.Event())
+    except StartupFailed as error:
+        raise click.ClickException(str(error)) from None
+
+
+def run_service(
+    ctx: click.Context,
+    service: Service,
+    what: str,
+    url: str,
+    connect_timeout: float | None,
+    *,
+    stop_message: str,
+    grace: float | None = None,
+    before_start: Callable[[], None] | None = None,
 ) -> None:
-    """Wait for the database before a long-running process starts; SIGTERM/SIGINT meanwhile exit 0."""
-    early = stopping or threading.Event()
-    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
-
-    def on_signal(signum: int, frame: object) -> None:
-        early.set()
-
-    if stopping is None:
-        for sig in previous:
-            signal.signal(sig, on_signal)
+    """Run ``service`` as this process (see :func:`postbox.operations.process.run_process`): wait
+    for the database, serve metrics, stop on the first signal, abort on the second; exit with the
+    process's status."""
+    spec = _spec(
+        ctx, what, url, connect_timeout, grace=grace, stop_message=stop_message, before_start=before_start
+    )
     try:
-        reached = wait_for_database(url, what=what, timeout=timeout, stopping=early)
-    except DatabaseUnreachable as error:
-        raise click.ClickException(f"{what}: cannot reach the database: {error}") from None
-    finally:
-        if stopping is None:
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
-    if not reached:
-        click.echo(f"postbox: {what} stopped while waiting for the database", err=True)
-        sys.exit(0)
-    from postbox.schema.migrate import SchemaNotReady, check_schema
-
-    try:
-        warning = check_schema(url)
-    except SchemaNotReady as error:
-        raise click.ClickException(f"{what}: {error}") from None
-    if warning is not None:
-        click.echo(f"postbox: {warning}", err=True)
+        code = run_process(service, spec)
+    except StartupFailed as error:
+        raise click.ClickException(str(error)) from None
+    if code:
+        sys.exit(code)

@@ -18,8 +18,8 @@ import click
 import psycopg
 
 from postbox.cli import context as cli_context
-from postbox.cli.context import await_database, connect_timeout_option
-from postbox.config.settings import Settings, load_settings, mask_secrets, mask_text, mask_url
+from postbox.cli.context import connect_timeout_option, run_service, wait_for_database
+from postbox.config.settings import load_settings, mask_secrets, mask_text, mask_url
 from postbox.errors import ConfigError
 from postbox.operations.logs import configure_logging
 
@@ -27,7 +27,6 @@ __all__ = [
     "mask_secrets",
     "observability_options",
     "register_ops_commands",
-    "serve_metrics",
     "setup_observability",
 ]
 
@@ -88,22 +87,6 @@ _settings = cli_context.settings
 _url = cli_context.database_url
 
 
-def serve_metrics(ctx: click.Context, settings: Settings, url: str, ready: Callable[[], bool]) -> Any:
-    """Start the metrics endpoint of this process if a port is configured."""
-    from postbox.operations.metrics import start_observability
-
-    obj = ctx.find_root().ensure_object(dict)
-    port = obj.get("metrics_port")
-    host = obj.get("metrics_host")
-    return start_observability(
-        url,
-        port=settings.metrics_port if port is None else port,
-        host=settings.metrics_host if host is None else host,
-        ready=ready,
-        db_interval=settings.db_metrics_interval_seconds,
-    )
-
-
 # --- postbox maintain -------------------------------------------------------------------------
 
 
@@ -130,13 +113,10 @@ def maintain(
     """Run the maintenance jobs (retention, dedup pruning, stale workers, key repairs, gap timeouts)
     on their schedule until SIGTERM/SIGINT. Safe to run in several processes: each job runs once
     per period across all of them."""
-    import signal
-
     from postbox.operations.maintenance import JOBS, Maintenance, MaintenanceSettings
 
     s = _settings(ctx)
     url = _url(ctx)
-    await_database(url, "maintenance", connect_timeout)
     settings = MaintenanceSettings(
         dedup_retention_seconds=s.dedup_retention_seconds,
         attempts_retention_seconds=s.attempts_retention_seconds,
@@ -153,20 +133,12 @@ def maintain(
         m = Maintenance(url, settings, jobs=list(jobs) or None)
     except ValueError as error:
         raise click.BadParameter(str(error), param_hint="--job") from None
-    if once:
-        ran = m.run_once()
-        for job, did in ran.items():
-            click.echo(f"{job}: {'ran' if did else 'not due (or running elsewhere)'}")
+    if not once:
+        run_service(ctx, m, "maintenance", url, connect_timeout, stop_message="maintenance stopping")
         return
-    serve_metrics(ctx, s, url, m.ready)
-
-    def on_signal(signum: int, frame: object) -> None:
-        click.echo(f"postbox: maintenance stopping (signal {signum})", err=True)
-        m.stop()
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
-    m.run()
+    wait_for_database(ctx, "maintenance", url, connect_timeout)
+    for job, did in m.run_once().items():
+        click.echo(f"{job}: {'ran' if did else 'not due (or running elsewhere)'}")
 
 
 # --- postbox status ---------------------------------------------------------------------------

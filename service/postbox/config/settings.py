@@ -1,36 +1,113 @@
-"""Configuration from the environment (``POSTBOX_…``) and an optional TOML file.
+"""All of Postbox's configuration in one model, on pydantic-settings.
 
-Precedence: explicit arguments, then environment variables, then the file named by
-``POSTBOX_CONFIG`` (or ``--config``), then defaults.
+Precedence: command-line flags (and explicit arguments), then environment variables
+(``POSTBOX_…``), then the TOML file named by ``--config`` (or ``POSTBOX_CONFIG``), then defaults.
+The file's ``[postbox]`` table holds the settings (``[postbox.worker]``, ``[postbox.relay]``… the
+defaults of each command's options), its ``[consumers.NAME]`` and ``[destinations.NAME]`` tables
+the per-consumer and per-destination policies (see :mod:`postbox.config.policies`).
 """
 
 from __future__ import annotations
 
-import re
-import threading
+import os
 import tomllib
+from contextvars import ContextVar
 from pathlib import Path
 from typing import Annotated, Any, Literal
-from urllib.parse import unquote_plus
 
-from pydantic import Field, SecretStr, ValidationError, field_validator
-from pydantic_settings import BaseSettings, NoDecode, PydanticBaseSettingsSource, SettingsConfigDict
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator
+from pydantic_settings import (
+    BaseSettings,
+    NoDecode,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    TomlConfigSettingsSource,
+)
 
+from postbox.config.masking import (
+    host_pattern,
+    is_secret_name,
+    mask_secrets,
+    mask_text,
+    mask_url,
+    register_secret,
+    register_secrets_in,
+    register_url_secrets,
+    split_hosts,
+)
+from postbox.config.policy_models import ConsumerPolicy, DestinationConfig, PoliciesConfig
 from postbox.errors import ConfigError
 
 __all__ = [
+    "BridgeOptions",
+    "MaintainOptions",
+    "RelayOptions",
+    "ReplayRunOptions",
     "Settings",
+    "WorkerOptions",
     "host_pattern",
     "is_secret_name",
     "load_settings",
     "mask_secrets",
     "mask_text",
     "mask_url",
-    "outbound_http_from_env",
     "register_secret",
     "register_url_secrets",
     "sqlalchemy_url",
 ]
+
+
+# --- the defaults of the long-running commands' options ([postbox.worker], …) --------------------
+
+
+class _Options(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class WorkerOptions(_Options):
+    """``postbox worker`` (``[postbox.worker]``)."""
+
+    concurrency: int = Field(default=2, ge=1, le=256)
+    batch_size: int = Field(default=20, ge=1, le=10_000)
+    poll_interval: float = Field(default=1.0, ge=0.001)
+    listen: bool = True
+    handler_timeout: float = Field(default=30.0, ge=0.001)
+    grace_period: float = Field(default=30.0, ge=0)
+    heartbeat_interval: float = Field(default=5.0, ge=0.01)
+    stale_after: float = Field(default=30.0, ge=0.02)
+    lease: float | None = Field(default=None, ge=0.01)
+    max_stuck_handlers: int | None = Field(default=None, ge=0)
+
+
+class RelayOptions(_Options):
+    """``postbox relay`` (``[postbox.relay]``)."""
+
+    concurrency: int = Field(default=1, ge=1, le=64)
+    batch_size: int = Field(default=100, ge=1, le=10_000)
+    poll_interval: float = Field(default=1.0, ge=0.001)
+    listen: bool = True
+    lease: float = Field(default=60.0, ge=0.01)
+    heartbeat_interval: float = Field(default=5.0, ge=0.01)
+    stale_after: float = Field(default=30.0, ge=0.02)
+    grace_period: float = Field(default=30.0, ge=0)
+
+
+class BridgeOptions(_Options):
+    """``postbox bridge`` (``[postbox.bridge]``)."""
+
+    batch_size: int = Field(default=100, ge=1, le=10_000)
+
+
+class MaintainOptions(_Options):
+    """``postbox maintain`` (``[postbox.maintain]``)."""
+
+    stale_after: float = Field(default=30.0, ge=0.02)
+
+
+class ReplayRunOptions(_Options):
+    """``postbox replay run`` (``[postbox.replay_run]``)."""
+
+    poll_interval: float = Field(default=0.5, ge=0.01, le=60)
 
 
 class Settings(BaseSettings):
@@ -100,11 +177,25 @@ class Settings(BaseSettings):
         description="Refuse HTTP requests to loopback, private, link-local and other non-public "
         "addresses (checked on the addresses a name resolves to, at connection time).",
     )
+    connect_timeout: float | None = Field(
+        default=None,
+        ge=0,
+        description="Seconds a long-running process waits at start for an unreachable database "
+        "(None: as long as it takes).",
+    )
+    worker: WorkerOptions = Field(default_factory=WorkerOptions)
+    relay: RelayOptions = Field(default_factory=RelayOptions)
+    bridge: BridgeOptions = Field(default_factory=BridgeOptions)
+    maintain: MaintainOptions = Field(default_factory=MaintainOptions)
+    replay_run: ReplayRunOptions = Field(default_factory=ReplayRunOptions)
+    # The file's [consumers.NAME] and [destinations.NAME] tables.
+    consumers: dict[str, ConsumerPolicy] = Field(default_factory=dict)
+    destinations: dict[str, DestinationConfig] = Field(default_factory=dict)
 
     @field_validator("http_allowed_hosts", mode="before")
     @classmethod
     def _hosts_from_text(cls, value: Any) -> Any:
-        return _split_hosts(value)
+        return split_hosts(value)
 
     @field_validator("http_allowed_hosts")
     @classmethod
@@ -120,111 +211,145 @@ class Settings(BaseSettings):
         dotenv_settings: PydanticBaseSettingsSource,
         file_secret_settings: PydanticBaseSettingsSource,
     ) -> tuple[PydanticBaseSettingsSource, ...]:
-        return (init_settings, env_settings)
+        document = _DOCUMENT.get()
+        if document is None:
+            return (init_settings, env_settings)
+        return (init_settings, env_settings, _TomlSource(settings_cls, *document))
 
-
-def _split_hosts(value: Any) -> Any:
-    if isinstance(value, str):
-        return [h.strip() for h in value.split(",") if h.strip()]
-    return value
-
-
-def host_pattern(entry: str) -> str:
-    """An entry of ``http_allowed_hosts``, checked and normalised: a host name (``hooks.example.com``),
-    a wildcard for its subdomains (``*.example.com``), an IP address or an IP network in CIDR form
-    (``10.1.0.0/16``). Raises ValueError naming what is wrong."""
-    import ipaddress
-
-    text = entry.strip().lower().rstrip(".")
-    if text.startswith("[") and text.endswith("]"):
-        text = text[1:-1]
-    if not text:
-        raise ValueError("an empty host in http_allowed_hosts")
-    if "://" in text:
-        raise ValueError(f"{entry!r} in http_allowed_hosts: give the host only, without scheme, port or path")
-    if "/" in text:
-        try:
-            return str(ipaddress.ip_network(text, strict=False))
-        except ValueError:
-            raise ValueError(
-                f"{entry!r} in http_allowed_hosts is not an IP network such as 10.0.0.0/8"
-            ) from None
-    name = text.removeprefix("*.")
-    if "*" in name or not re.fullmatch(r"[\w.:\-]+", name):
-        raise ValueError(
-            f"{entry!r} in http_allowed_hosts is not a host name, *.domain, IP address or network "
-            "(give hosts without scheme, port or path)"
+    def policies(self) -> PoliciesConfig:
+        """The per-consumer and per-destination policies, with the settings they depend on."""
+        return PoliciesConfig(
+            dedup_retention_seconds=self.dedup_retention_seconds,
+            replay_window_seconds=self.replay_window_seconds,
+            http_allowed_hosts=tuple(self.http_allowed_hosts),
+            http_deny_private_networks=self.http_deny_private_networks,
+            consumers=self.consumers,
+            destinations=self.destinations,
         )
-    if ":" in name:  # only an IPv6 address has colons here (no ports)
-        try:
-            ipaddress.IPv6Address(name)
-        except ValueError:
-            raise ValueError(f"{entry!r} in http_allowed_hosts: give the host without a port") from None
-    return text
 
 
-class _OutboundHttpEnv(BaseSettings):
-    """The outbound HTTP settings as the environment gives them (unset: None)."""
+# --- the TOML file ------------------------------------------------------------------------------
 
-    model_config = SettingsConfigDict(env_prefix="POSTBOX_", extra="ignore")
-
-    http_allowed_hosts: Annotated[list[str] | None, NoDecode] = None
-    http_deny_private_networks: bool | None = None
-
-    @field_validator("http_allowed_hosts", mode="before")
-    @classmethod
-    def _hosts_from_text(cls, value: Any) -> Any:
-        return _split_hosts(value)
+# The file (or parsed document) the settings being built read: (path, document).
+_DOCUMENT: ContextVar[tuple[Path | None, dict[str, Any] | None] | None] = ContextVar(
+    "postbox_settings_document", default=None
+)
 
 
-def outbound_http_from_env() -> dict[str, Any]:
-    """``http_allowed_hosts`` and ``http_deny_private_networks`` from ``POSTBOX_…`` variables, the
-    ones set only (they override the configuration file)."""
+def read_toml(path: Path) -> dict[str, Any]:
+    """A TOML file, parsed; a missing or malformed file is a :class:`ConfigError` naming it."""
     try:
-        env = _OutboundHttpEnv()
-    except ValidationError as error:
-        problems = "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in error.errors())
-        raise ConfigError(f"invalid configuration: {problems}") from None
-    return {k: v for k, v in env.model_dump().items() if v is not None}
-
-
-def _read_toml(path: Path) -> dict[str, Any]:
-    try:
-        data = tomllib.loads(path.read_text(encoding="utf-8"))
+        return tomllib.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise ConfigError(f"config file {path} does not exist") from None
     except tomllib.TOMLDecodeError as error:
         raise ConfigError(f"config file {path} is not valid TOML: {error}") from None
-    section = data.get("postbox", {})
+
+
+def _as_settings(document: dict[str, Any], where: str) -> dict[str, Any]:
+    """The file's ``[postbox]`` table with its ``[consumers]`` and ``[destinations]`` beside it;
+    every secret it holds is registered for masking."""
+    section = document.get("postbox", {})
     if not isinstance(section, dict):
-        raise ConfigError(f"config file {path}: [postbox] must be a table")
-    return section
+        raise ConfigError(f"{where}: [postbox] must be a table")
+    register_secrets_in(document.get("consumers", {}))
+    register_secrets_in(document.get("destinations", {}))
+    data = dict(section)
+    for table in ("consumers", "destinations"):
+        if table in document:
+            data[table] = document[table]
+    return data
 
 
-def load_settings(config_file: Path | None = None, **overrides: Any) -> Settings:
-    """Build the settings, raising :class:`ConfigError` with every problem named."""
-    for value in overrides.values():
+class _TomlSource(TomlConfigSettingsSource):
+    """pydantic-settings' TOML source, reading Postbox's layout (see :func:`_as_settings`)."""
+
+    def __init__(
+        self, settings_cls: type[BaseSettings], path: Path | None, document: dict[str, Any] | None
+    ) -> None:
+        self._document = document
+        self._path = path
+        super().__init__(settings_cls, toml_file=path)
+
+    def _read_files(self, files: Any, deep_merge: bool = False) -> dict[str, Any]:
+        if self._document is not None:
+            return _as_settings(self._document, "configuration")
+        if self._path is None:
+            return {}
+        return _as_settings(read_toml(self._path), f"config file {self._path}")
+
+
+def _problems(error: ValidationError, origin: dict[str, str]) -> str:
+    out = []
+    for e in error.errors():
+        loc = ".".join(str(p) for p in e["loc"]) or "settings"
+        where = origin.get(str(e["loc"][0]) if e["loc"] else "", "")
+        out.append(f"{loc}{f' ({where})' if where else ''}: {e['msg'].removeprefix('Value error, ')}")
+    return "; ".join(out)
+
+
+def _origins(path: Path | None, document: dict[str, Any] | None) -> dict[str, str]:
+    """For error messages: where each top-level setting came from (a variable, or the file)."""
+    origin: dict[str, str] = {}
+    if path is not None and document is not None:
+        for key in _as_settings(document, str(path)):
+            origin[key] = str(path)
+    for name in Settings.model_fields:
+        if f"POSTBOX_{name.upper()}" in os.environ:
+            origin[name] = f"POSTBOX_{name.upper()}"
+    return origin
+
+
+def load_settings(
+    config_file: Path | None = None, *, document: dict[str, Any] | None = None, **overrides: Any
+) -> Settings:
+    """Build the settings from ``overrides`` (flags), the environment and the TOML file
+    ``config_file`` (or ``POSTBOX_CONFIG``; or an already parsed ``document``), raising
+    :class:`ConfigError` with every problem named by its setting (and where it came from)."""
+    explicit = {k: v for k, v in overrides.items() if v is not None}
+    for value in explicit.values():
         if isinstance(value, str):
             register_url_secrets(value)
+    path = config_file or (Path(os.environ["POSTBOX_CONFIG"]) if os.environ.get("POSTBOX_CONFIG") else None)
+    if document is None and path is not None:
+        document = read_toml(path)
+    if path is not None:
+        explicit["config"] = path
+    token = _DOCUMENT.set((path, document))
     try:
-        env_only = Settings(**{k: v for k, v in overrides.items() if v is not None})
-        path = config_file or env_only.config
-        if path is None:
-            settings = env_only
-        else:
-            from_file = _read_toml(path)
-            explicit = {k: v for k, v in overrides.items() if v is not None}
-            env_set = env_only.model_dump(exclude_unset=True)
-            merged = {**from_file, **env_set, **explicit, "config": path}
-            settings = Settings.model_validate(merged)
+        settings = Settings(**explicit)
     except ValidationError as error:
-        problems = "; ".join(
-            f"{'.'.join(str(p) for p in e['loc']) or 'settings'}: {e['msg']}" for e in error.errors()
-        )
-        raise ConfigError(f"invalid configuration: {problems}") from None
+        raise ConfigError(f"invalid configuration: {_problems(error, _origins(path, document))}") from None
+    finally:
+        _DOCUMENT.reset(token)
+    _check_retry_policies(settings)
     if settings.database_url is not None:
         register_url_secrets(settings.database_url.get_secret_value())
     return settings
+
+
+def _check_retry_policies(settings: Settings) -> None:
+    """Every retry table of the policies makes a valid retry policy (named by its path)."""
+    for name, consumer in settings.consumers.items():
+        for type_ in (None, *consumer.types):
+            try:
+                consumer.retry_policy(type_)
+            except ValidationError as error:
+                where = f"consumers.{name}." + (f"types.{type_}." if type_ else "") + "retry."
+                raise ConfigError(f"invalid configuration: {_retry_problems(error, where)}") from None
+    for name, dest in settings.destinations.items():
+        try:
+            dest.retry_policy()
+        except ValidationError as error:
+            where = f"destinations.{name}.retry."
+            raise ConfigError(f"invalid configuration: {_retry_problems(error, where)}") from None
+
+
+def _retry_problems(error: ValidationError, prefix: str) -> str:
+    return "; ".join(
+        f"{prefix}{'.'.join(str(p) for p in e['loc'])}: {e['msg'].removeprefix('Value error, ')}"
+        for e in error.errors()
+    )
 
 
 def sqlalchemy_url(url: str) -> str:
@@ -233,187 +358,3 @@ def sqlalchemy_url(url: str) -> str:
         if url.startswith(prefix):
             return "postgresql+psycopg://" + url[len(prefix) :]
     raise ConfigError("database_url must start with postgresql://")
-
-
-# --- secrets: one masking for every output -------------------------------------------------------
-#
-# Secrets are found by their structure: the password (or NATS token) in a URL of any scheme, query
-# parameters and ``name=value`` / ``name: value`` pairs (connection strings, headers, JSON) whose
-# name looks secret, and values whose setting name looks secret. On top of that, every secret the
-# configuration holds (URL passwords, HMAC secrets, secret header values) is registered when loaded
-# and replaced wherever it appears, even in text with no structure (a server echoing it back).
-
-MASK = "***"
-
-# Names (of settings, headers, query parameters, fields) that hold secrets.
-_SENSITIVE_WORDS = (
-    r"pass|pwd|secret|token|auth|credential|cookie|signature|sasl|session"
-    r"|(?:api|access|private|signing|encryption|client|master|subscription|account|hmac)_?key"
-)
-_SECRET_NAME = re.compile(_SENSITIVE_WORDS)
-# In a URL's query string, these names too (``?key=…`` API keys, ``?sig=…`` signed URLs).
-_SECRET_QUERY_NAMES = frozenset({"key", "sig", "x_goog_signature"})
-# Schemes whose user part alone (``nats://TOKEN@host``) is a token.
-_TOKEN_USER_SCHEMES = frozenset({"nats", "tls", "ws", "wss"})
-
-_URL = re.compile(r"[A-Za-z][A-Za-z0-9+.\-]*://[^\s'\"<>`]+")
-_PAIR = re.compile(
-    r"(?<![\w.\-])"
-    r"(?P<name>(?=[\w.\-]*?(?:" + _SENSITIVE_WORDS.replace("_?", "[_\\-]?") + r"))[\w.\-]+)"
-    # "=" as in connection strings and queries; ":" followed by a space or a quote, as in headers,
-    # YAML and JSON (not "auth:login", which is more likely a name than a secret).
-    r"(?P<q>[\"']?)(?P<sep>[ \t]*(?:=[ \t]*|:[ \t]+|:(?=[\"'])))"
-    r"(?P<scheme>(?:bearer|basic|token|digest)[ \t]+)?"
-    r"(?P<value>\"[^\"]*\"|'[^']*'|[^\s&,;\"'})\]]+)",
-    re.IGNORECASE,
-)
-
-
-# Secrets registered from the configuration, longest first (a secret holding another is masked
-# whole). Replaced as a whole tuple, so that readers in other threads never see it change.
-class _Known:
-    secrets: tuple[str, ...] = ()
-    lock = threading.Lock()
-
-
-def _normal(name: str) -> str:
-    return re.sub(r"[^a-z0-9]+", "_", name.lower()).strip("_")
-
-
-def is_secret_name(name: str) -> bool:
-    """Whether a setting, header, field or parameter named ``name`` holds a secret (a name ending
-    in ``_env`` holds the name of an environment variable, not the secret)."""
-    n = _normal(name)
-    return not n.endswith("_env") and bool(_SECRET_NAME.search(n))
-
-
-# Shorter registered values are masked by structure only: replacing a short word everywhere (a
-# password "postbox" in "postbox.worker") would garble the output.
-_MIN_REGISTERED = 8
-
-
-def register_secret(value: str | None) -> None:
-    """Mask ``value`` wherever it appears in this process's output from now on (values of at least
-    8 characters; shorter ones are masked where their structure shows them)."""
-    if not value:
-        return
-    values = {v for v in (value, unquote_plus(value)) if len(v) >= _MIN_REGISTERED and MASK not in v}
-    with _Known.lock:
-        if values - set(_Known.secrets):
-            _Known.secrets = tuple(sorted(values | set(_Known.secrets), key=len, reverse=True))
-
-
-def register_url_secrets(text: str) -> None:
-    """Register the secrets of every URL (and ``password=…`` pair) in ``text``."""
-    for match in _URL.finditer(text):
-        url = match.group(0)
-        scheme, _, rest = url.partition("://")
-        userinfo = _userinfo(rest)
-        if userinfo is not None:
-            user, colon, password = userinfo.partition(":")
-            register_secret(password if colon else user if scheme.lower() in _TOKEN_USER_SCHEMES else None)
-        query = rest.partition("?")[2]
-        for part in re.split(r"[&;#]", query):
-            name, eq, value = part.partition("=")
-            if eq and _secret_param(name):
-                register_secret(value)
-    for pair in _PAIR.finditer(text):
-        if not pair.group("name").lower().endswith("_env"):
-            register_secret(pair.group("value").strip("\"'"))
-
-
-def _userinfo(rest: str) -> str | None:
-    """The user information of a URL without its ``scheme://``, or None."""
-    end = len(rest)
-    for ch in "?#":
-        i = rest.find(ch)
-        if i != -1:
-            end = min(end, i)
-    at = rest.rfind("@", 0, end)
-    return rest[:at] if at != -1 else None
-
-
-def _secret_param(name: str) -> bool:
-    name = unquote_plus(name)
-    return is_secret_name(name) or _normal(name) in _SECRET_QUERY_NAMES
-
-
-def _mask_params(text: str) -> str:
-    parts = re.split(r"([&;])", text)
-    for i, part in enumerate(parts):
-        name, eq, value = part.partition("=")
-        if eq and value and _secret_param(name):
-            parts[i] = f"{name}={MASK}"
-    return "".join(parts)
-
-
-def _mask_one_url(url: str) -> str:
-    scheme, _, rest = url.partition("://")
-    userinfo = _userinfo(rest)
-    if userinfo is not None:
-        user, colon, _password = userinfo.partition(":")
-        if colon:
-            rest = f"{user}:{MASK}" + rest[len(userinfo) :]
-        elif scheme.lower() in _TOKEN_USER_SCHEMES and user:
-            rest = MASK + rest[len(userinfo) :]
-    start = rest.find("?")
-    if start == -1:
-        start = rest.find("#")
-    if start != -1:
-        rest = rest[: start + 1] + "#".join(_mask_params(p) for p in rest[start + 1 :].split("#"))
-    return f"{scheme}://{rest}"
-
-
-def _mask_pair(match: re.Match[str]) -> str:
-    if match.group("name").lower().endswith("_env"):
-        return match.group(0)
-    value = match.group("value")
-    masked = f"{value[0]}{MASK}{value[0]}" if value[0] in "\"'" else MASK
-    return (
-        match.group("name") + match.group("q") + match.group("sep") + (match.group("scheme") or "") + masked
-    )
-
-
-def mask_text(text: str) -> str:
-    """``text`` with every secret masked: passwords (and NATS tokens) in URLs of any scheme, secret
-    query parameters, ``password=…``-like pairs (connection strings, headers, JSON), and every
-    secret registered from the configuration. The one masking function of every output."""
-    if not text:
-        return text
-    if "://" in text:
-        text = _URL.sub(lambda m: _mask_one_url(m.group(0)), text)
-    if "=" in text or ":" in text:
-        text = _PAIR.sub(_mask_pair, text)
-    for secret in _Known.secrets:
-        if secret in text:
-            text = text.replace(secret, MASK)
-    return text
-
-
-def mask_url(url: str) -> str:
-    """The URL (or libpq connection string) with its secrets masked, for logs and messages."""
-    return mask_text(url)
-
-
-def mask_secrets(value: Any, name: str = "") -> Any:
-    """``value`` (a settings document: dicts, lists, scalars) with secrets masked: any value whose
-    name looks secret (password, secret, token, key, signature, auth…), and secrets inside every
-    string (see :func:`mask_text`)."""
-    secret = is_secret_name(name)
-    if isinstance(value, dict):
-        return {k: mask_secrets(v, str(k)) if not secret else _all_masked(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [_all_masked(v) if secret else mask_secrets(v, name) for v in value]
-    if secret and value not in (None, ""):
-        return MASK
-    if isinstance(value, str):
-        return mask_text(value)
-    return value
-
-
-def _all_masked(value: Any) -> Any:
-    if isinstance(value, dict):
-        return {k: _all_masked(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [_all_masked(v) for v in value]
-    return MASK if value not in (None, "") else value

@@ -189,9 +189,36 @@ class ReplayRunner:
         self.runner_id = runner_id
         self.stop_event = threading.Event()
         self._sleep = sleep or self.stop_event.wait
+        self._thread: threading.Thread | None = None
+        self.fatal: str | None = None
+
+    # --- lifecycle (the shape of postbox.operations.process.Service) ----------------------------
+
+    def start(self) -> None:
+        """:meth:`serve` in a background thread."""
+        self._thread = threading.Thread(target=self.serve, name="postbox-replay", daemon=True)
+        self._thread.start()
+
+    def run(self) -> None:
+        self.serve()
 
     def stop(self) -> None:
         self.stop_event.set()
+
+    def abort(self) -> None:
+        """Stop at once: a step in flight is one transaction, committed or not."""
+        self.stop()
+
+    def join(self, grace: float | None = None) -> None:
+        if self._thread is not None:
+            self._thread.join(grace)
+
+    def ready(self) -> bool:
+        return not self.stopping
+
+    @property
+    def stopping(self) -> bool:
+        return self.stop_event.is_set()
 
     def _delay(self, job: ReplayJob) -> float:
         """How long until the job can send its next message (or should check outcomes again)."""

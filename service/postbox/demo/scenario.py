@@ -1,4 +1,4 @@
-"""`postbox demo`: the seeds' order scenario, end to end, with real worker and relay processes.
+"""`postbox demo`: an order scenario, end to end, with real worker and relay processes.
 
 Producers write order events in their own transactions; `paid` fails transiently twice then
 succeeds; a malformed event is dead-lettered at once; `shipped` waits for `paid`; one order's
@@ -32,143 +32,13 @@ from postbox.deadletters import ops as deadletter
 from postbox.deadletters import replay
 from postbox.deadletters.ops import DeadLetterFilter
 from postbox.deadletters.replay import ReplayJob, ReplayOptions, ReplayRunner
-from postbox.failures.outcomes import Permanent, Transient
-from postbox.inbox.handlers import Context, Message, Registry
+from postbox.demo.shop import BUSINESS_DDL, CONSUMER, POLICY_TOML, SHIPPING, events
 from postbox.inbox.receive import receive_many
 from postbox.schema import migrate as migrations
 
-__all__ = ["registry", "run_demo"]
+__all__ = ["DemoError", "run_demo"]
 
-CONSUMER = "orders"
-SHIPPING = "shipping"
 DEMO_DB = "postbox_demo"
-
-# --- the handlers the worker processes run (`--app postbox.demo.scenario:registry`) --------------------
-
-registry = Registry()
-
-BUSINESS_DDL = """
-CREATE TABLE IF NOT EXISTS demo_orders (
-    order_id  text PRIMARY KEY,
-    state     text NOT NULL,
-    amount    numeric,
-    updated   timestamptz NOT NULL DEFAULT clock_timestamp()
-);
-CREATE TABLE IF NOT EXISTS demo_gateway_outages (
-    order_id  text PRIMARY KEY
-);
-CREATE TABLE IF NOT EXISTS demo_shipments (
-    order_id  text PRIMARY KEY,
-    amount    numeric NOT NULL,
-    at        timestamptz NOT NULL DEFAULT clock_timestamp()
-);
-CREATE TABLE IF NOT EXISTS demo_log (
-    id        bigserial PRIMARY KEY,
-    order_id  text NOT NULL,
-    event     text NOT NULL,
-    attempt   integer NOT NULL,
-    at        timestamptz NOT NULL DEFAULT clock_timestamp()
-);
-"""
-
-
-@registry.handler(CONSUMER)
-def handle_order_event(message: Message, ctx: Context) -> None:
-    """Apply one order event; the business write and the done mark commit together."""
-    order = message.key
-    payload = message.payload if isinstance(message.payload, dict) else {}
-    row = ctx.conn.execute("SELECT state FROM demo_orders WHERE order_id = %s", (order,)).fetchone()
-    state = row[0] if row else None
-    if message.type == "created":
-        ctx.conn.execute(
-            "INSERT INTO demo_orders (order_id, state) VALUES (%s, 'created') ON CONFLICT DO NOTHING",
-            (order,),
-        )
-    elif message.type == "paid":
-        if "amount" not in payload:
-            raise Permanent("malformed paid event: required field 'amount' is missing")
-        fail_times = int(payload.get("gateway_fails", 0))
-        if message.attempt <= fail_times:
-            raise Transient(f"payment gateway unavailable (attempt {message.attempt})")
-        if ctx.conn.execute("SELECT 1 FROM demo_gateway_outages WHERE order_id = %s", (order,)).fetchone():
-            raise Transient("payment gateway rejects this merchant: outage")
-        ctx.conn.execute(
-            "UPDATE demo_orders SET state = 'paid', amount = %s, updated = clock_timestamp() WHERE order_id = %s",
-            (payload["amount"], order),
-        )
-        # The follow-up event commits with the payment (transactional outbox); the relay sends it.
-        ctx.publish(
-            SHIPPING, {"order": order, "amount": payload["amount"]}, key=order, type="shipment.requested"
-        )
-    elif message.type == "shipped":
-        if state != "paid":
-            raise Permanent(f"cannot ship order {order} in state {state}")
-        ctx.conn.execute(
-            "UPDATE demo_orders SET state = 'shipped', updated = clock_timestamp() WHERE order_id = %s",
-            (order,),
-        )
-    else:
-        raise Permanent(f"unknown event type {message.type!r}")
-    ctx.conn.execute(
-        "INSERT INTO demo_log (order_id, event, attempt) VALUES (%s, %s, %s)",
-        (order, message.type, message.attempt),
-    )
-
-
-@registry.handler(SHIPPING)
-def handle_shipment_request(message: Message, ctx: Context) -> None:
-    """The second service: record the shipment request the relay delivered to its inbox."""
-    payload = message.payload if isinstance(message.payload, dict) else {}
-    ctx.conn.execute(
-        "INSERT INTO demo_shipments (order_id, amount) VALUES (%s, %s)", (payload["order"], payload["amount"])
-    )
-
-
-# --- the scenario ----------------------------------------------------------------------------
-
-POLICY_TOML = """
-[postbox]
-dedup_retention_seconds = 604800
-
-[consumers.orders]
-sequence_mode = "gapless"
-on_dead_letter = "block"
-retry = { strategy = "exponential_full_jitter", base_delay = 0.2, max_delay = 1.0, max_attempts = 4 }
-
-[consumers.shipping]
-on_dead_letter = "block"
-
-[destinations.shipping]
-kind = "postgres"                      # deliver into an inbox (here: this database's)
-consumer = "shipping"
-"""
-
-
-def _events() -> list[dict[str, Any]]:
-    def ev(order: str, seq: int, type_: str, **payload: Any) -> dict[str, Any]:
-        return {
-            "consumer": CONSUMER,
-            "message_id": f"{order}/{seq}",
-            "key": order,
-            "sequence": seq,
-            "type": type_,
-            "payload": {"order": order, **payload},
-            "correlation_id": f"checkout-{order}",
-            "source": "shop.orders",
-        }
-
-    return [
-        ev("order-1", 1, "created"),
-        ev("order-1", 2, "paid", amount=42, gateway_fails=2),  # fails twice, then succeeds
-        ev("order-1", 3, "shipped"),  # must wait for paid
-        ev("order-2", 1, "created"),
-        ev("order-2", 2, "paid", amount=7),
-        ev("order-3", 1, "created"),
-        ev("order-3", 2, "paid", note="no amount field"),  # malformed: dead-lettered at once
-        ev("order-4", 1, "created"),
-        ev("order-4", 2, "paid", amount=99),  # the gateway is out for this order: retries run out
-        ev("order-4", 3, "shipped"),  # held behind the blocked payment
-    ]
 
 
 def _say(text: str) -> None:
@@ -237,7 +107,7 @@ def _spawn(url: str, config: Path, *args: str) -> subprocess.Popen[bytes]:
 
 
 def _spawn_worker(url: str, config: Path, consumer: str) -> subprocess.Popen[bytes]:
-    return _spawn(url, config, "worker", "--consumer", consumer, "--app", "postbox.demo.scenario:registry",
+    return _spawn(url, config, "worker", "--consumer", consumer, "--app", "postbox.demo.shop:registry",
                   "--concurrency", "2", "--poll-interval", "0.1", "--heartbeat-interval", "1",
                   "--stale-after", "5")  # fmt: skip
 
@@ -374,50 +244,71 @@ def run_demo(
     with tempfile.TemporaryDirectory() as tmp:
         config = Path(tmp) / "postbox.toml"
         config.write_text(POLICY_TOML, encoding="utf-8")
-        _say("· starting 2 workers for 'orders' (gapless per-order sequences, 4 attempts max), 1 worker for")
-        _say("  'shipping', and a relay that delivers the outbox destination 'shipping' into that inbox")
-        processes = [_spawn_worker(url, config, CONSUMER) for _ in range(2)]
-        processes.append(_spawn_worker(url, config, SHIPPING))
-        processes.append(_spawn(url, config, "relay", "--destination", SHIPPING, "--poll-interval", "0.1"))
+        processes = _start_processes(url, config)
         try:
             with psycopg.connect(url) as conn:
-                deadline = time.monotonic() + 20
-                while conn.execute("SELECT count(*) FROM postbox.workers").fetchone() != (len(processes),):
-                    if time.monotonic() > deadline or any(p.poll() is not None for p in processes):
-                        raise RuntimeError("the demo processes did not start")
-                    time.sleep(0.05)
-                conn.commit()
-                _say(
-                    "· producers write 10 order events, each in its own transaction, out of order on purpose\n"
-                )
-                events = _events()
-                for e in [events[2], *events[:2], *events[3:]]:  # shipped arrives before paid
-                    receive_many(conn, [e])
-                    conn.commit()
-                seen: dict[str, set[Any]] = {"done": set(), "failed": set(), "dead": set(), "shipped": set()}
-                _wait(
-                    conn,
-                    seen,
-                    lambda: _settled(conn) and len(seen["dead"]) >= 2 and len(seen["shipped"]) >= 2,
-                    timeout,
-                )
-                job = _fix_and_replay(url, conn, seen)
-                _say(f"  replay {job.id} {job.state}: {job.state_reason}")
-                _wait(conn, seen, lambda: _settled(conn) and len(seen["shipped"]) >= 4, timeout)
-                _say("\nSummary")
-                for title, sql in SUMMARY_SQL.items():
-                    _say(f"\n{title}:\n{_table(conn, sql)}")
-                states: dict[str, str] = dict(
-                    conn.execute("SELECT order_id, state FROM demo_orders").fetchall()
-                )
+                _await_registered(conn, processes)
+                states = _play(url, conn, timeout)
         finally:
-            for proc in processes:
-                proc.send_signal(signal.SIGTERM)
-            for proc in processes:
-                try:
-                    proc.wait(30)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
+            _stop_processes(processes)
+    _epilogue(url, database, started)
+    cleanup()
+    return states
+
+
+def _start_processes(url: str, config: Path) -> list[subprocess.Popen[bytes]]:
+    _say("· starting 2 workers for 'orders' (gapless per-order sequences, 4 attempts max), 1 worker for")
+    _say("  'shipping', and a relay that delivers the outbox destination 'shipping' into that inbox")
+    processes = [_spawn_worker(url, config, CONSUMER) for _ in range(2)]
+    processes.append(_spawn_worker(url, config, SHIPPING))
+    processes.append(_spawn(url, config, "relay", "--destination", SHIPPING, "--poll-interval", "0.1"))
+    return processes
+
+
+def _await_registered(conn: psycopg.Connection[Any], processes: list[subprocess.Popen[bytes]]) -> None:
+    deadline = time.monotonic() + 20
+    while conn.execute("SELECT count(*) FROM postbox.workers").fetchone() != (len(processes),):
+        if time.monotonic() > deadline or any(p.poll() is not None for p in processes):
+            raise RuntimeError("the demo processes did not start")
+        time.sleep(0.05)
+    conn.commit()
+
+
+def _play(url: str, conn: psycopg.Connection[Any], timeout: float) -> dict[str, str]:
+    """Produce the events, wait for them to settle, fix and replay the dead letters, summarise."""
+    _say("· producers write 10 order events, each in its own transaction, out of order on purpose\n")
+    played = events()
+    for e in [played[2], *played[:2], *played[3:]]:  # shipped arrives before paid
+        receive_many(conn, [e])
+        conn.commit()
+    seen: dict[str, set[Any]] = {"done": set(), "failed": set(), "dead": set(), "shipped": set()}
+    _wait(
+        conn,
+        seen,
+        lambda: _settled(conn) and len(seen["dead"]) >= 2 and len(seen["shipped"]) >= 2,
+        timeout,
+    )
+    job = _fix_and_replay(url, conn, seen)
+    _say(f"  replay {job.id} {job.state}: {job.state_reason}")
+    _wait(conn, seen, lambda: _settled(conn) and len(seen["shipped"]) >= 4, timeout)
+    _say("\nSummary")
+    for title, sql in SUMMARY_SQL.items():
+        _say(f"\n{title}:\n{_table(conn, sql)}")
+    rows = conn.execute("SELECT order_id, state FROM demo_orders").fetchall()
+    return {str(k): str(v) for k, v in rows}
+
+
+def _stop_processes(processes: list[subprocess.Popen[bytes]]) -> None:
+    for proc in processes:
+        proc.send_signal(signal.SIGTERM)
+    for proc in processes:
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def _epilogue(url: str, database: str, started: float) -> None:
     _say("\nWhat a DBA would run to see the same (psql into the demo database):")
     for sql in SUMMARY_SQL.values():
         _say(f"  {sql};")
@@ -429,8 +320,6 @@ def run_demo(
         f'to explore (psql "{mask_url(url)}"); remove it with DROP DATABASE {database} (the next demo '
         "replaces it)."
     )
-    cleanup()
-    return {str(k): str(v) for k, v in states.items()}
 
 
 def _server_of(url: str) -> str:

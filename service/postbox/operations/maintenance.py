@@ -327,8 +327,16 @@ class Maintenance:
         self.register()
         return {job: self.run_due(job) for job in self.jobs}
 
+    # --- lifecycle (the shape of postbox.operations.process.Service) ------------------------
+
+    fatal: str | None = None  # maintenance has no fatal condition: a failed job is retried
+
     def stop(self) -> None:
         self._stopping.set()
+
+    def abort(self) -> None:
+        """Stop at once: a job in flight stops after its current batch (each batch commits)."""
+        self.stop()
 
     @property
     def stopping(self) -> bool:
@@ -337,12 +345,17 @@ class Maintenance:
     def ready(self) -> bool:
         return not self.stopping and self.presence.healthy()
 
+    def join(self, grace: float | None = None) -> None:
+        """Let the job in flight finish its batch, stop the scheduler, unregister."""
+        if self._scheduler is not None:
+            self._scheduler.shutdown(wait=True)
+            self._scheduler = None
+        self.presence.unregister()
+
     def run(self) -> None:
         self.start()
         try:
             while not self._stopping.wait(0.5):
                 pass
         finally:
-            if self._scheduler is not None:
-                self._scheduler.shutdown(wait=True)
-            self.presence.unregister()
+            self.join()

@@ -1,0 +1,299 @@
+"""``postbox dlq …``: list, group, show, explain, replay, discard, resolve, edit dead letters.
+
+Tables for people, ``--json`` for scripts. Every command that changes something needs ``--reason``
+and records ``--actor`` (default: ``$POSTBOX_ACTOR`` or the OS user) in ``postbox.audit_log``. Each
+is a thin layer over :mod:`postbox.deadletters.ops` and :mod:`postbox.deadletters.replay`, which are
+thin layers over SQL functions a DBA can call directly.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Callable
+from typing import Any, Literal, cast
+
+import click
+
+from postbox.cli.output import (
+    actor_option,
+    connection,
+    dead_letter_filter,
+    emit,
+    filter_options,
+    human,
+    json_option,
+    plain,
+    reason_option,
+    require_selection,
+)
+from postbox.cli.replay import report, run_in_foreground
+from postbox.deadletters import ops as deadletter
+from postbox.deadletters import replay
+from postbox.deadletters.replay import ReplayOptions
+
+__all__ = ["dlq"]
+
+
+@click.group()
+def dlq() -> None:
+    """Dead letters: list, group, show, explain, replay, discard, resolve, edit."""
+
+
+@dlq.command("list")
+@filter_options
+@click.option(
+    "--status",
+    default="open",
+    show_default=True,
+    type=click.Choice(["open", "replaying", "replayed", "replay_failed", "discarded", "resolved", "any"]),
+)
+@click.option("--limit", default=100, show_default=True, type=click.IntRange(1, 100_000))
+@json_option
+@click.pass_context
+def dlq_list(ctx: click.Context, /, status: str, limit: int, as_json: bool, **kw: Any) -> None:
+    """Dead letters matching the filter, in replay order."""
+    with connection(ctx) as conn:
+        rows = deadletter.select(conn, dead_letter_filter(kw, status), limit)
+    emit(
+        rows,
+        [
+            "id",
+            "queue",
+            "key",
+            "sequence",
+            "type",
+            "reason",
+            "attempt",
+            "status",
+            "dead_lettered_at",
+            "last_error",
+        ],
+        as_json,
+        "no dead letters match",
+    )
+
+
+@dlq.command("groups")
+@json_option
+@click.pass_context
+def dlq_groups(ctx: click.Context, as_json: bool) -> None:
+    """Open dead letters grouped by queue, type, reason and error fingerprint."""
+    with connection(ctx) as conn:
+        rows = deadletter.groups(conn)
+    emit(
+        rows,
+        ["queue", "type", "reason", "open", "keys", "oldest_age", "fingerprint"],
+        as_json,
+        "no open dead letters",
+    )
+
+
+@dlq.command("show")
+@click.argument("dead_letter_id", type=int)
+@json_option
+@click.pass_context
+def dlq_show(ctx: click.Context, dead_letter_id: int, as_json: bool) -> None:
+    """Every field of one dead letter, with its payload versions."""
+    with connection(ctx) as conn:
+        row = deadletter.show(conn, dead_letter_id)
+    if row is None:
+        raise click.ClickException(f"dead letter {dead_letter_id} does not exist")
+    if as_json:
+        click.echo(json.dumps({k: plain(v) for k, v in row.items()}, indent=2, default=str))
+        return
+    for name, value in row.items():
+        if name in ("edits", "last_traceback"):
+            continue
+        click.echo(
+            f"{name:>18}  {json.dumps(value, ensure_ascii=False) if isinstance(value, dict | list) else plain(value)}"
+        )
+    if row.get("last_traceback"):
+        click.echo("\n" + str(row["last_traceback"]).rstrip())
+    for e in row["edits"]:
+        click.echo(
+            f"\nedit v{e['version']} by {e['db_user']}{' as ' + e['actor'] if e['actor'] else ''} "
+            f"at {human(e['edited_at'])}: {e['reason']}"
+        )
+
+
+@dlq.command("explain")
+@click.argument("dead_letter_id", type=int, required=False)
+@click.option("--message-id", help="Explain the newest dead letter of this message id.")
+@json_option
+@click.pass_context
+def dlq_explain(
+    ctx: click.Context, dead_letter_id: int | None, message_id: str | None, as_json: bool
+) -> None:
+    """The whole history of a dead letter: receipt, attempts, decisions, replays."""
+    with connection(ctx) as conn:
+        if dead_letter_id is None:
+            if not message_id:
+                raise click.UsageError("give a DEAD_LETTER_ID or --message-id")
+            dead_letter_id = deadletter.latest_for_message(conn, message_id)
+            if dead_letter_id is None:
+                raise click.ClickException(f"message {message_id!r} has no dead letter")
+        events = deadletter.explain(conn, dead_letter_id)
+    if not events:
+        raise click.ClickException(f"dead letter {dead_letter_id} does not exist")
+    emit([e.__dict__ for e in events], ["at", "event", "detail"], as_json, "")
+
+
+def _closing(action: Callable[..., list[dict[str, Any]]], verb: str) -> Callable[..., None]:
+    @filter_options
+    @click.option("--all", "everything", is_flag=True, help="Every open dead letter (no filter).")
+    @reason_option
+    @actor_option
+    @json_option
+    @click.pass_context
+    def command(
+        ctx: click.Context, /, everything: bool, reason: str, actor: str, as_json: bool, **kw: Any
+    ) -> None:
+        flt = dead_letter_filter(kw)
+        require_selection(flt, everything)
+        with connection(ctx) as conn:
+            rows = action(conn, flt, reason, actor)
+        if as_json:
+            emit(rows, [], True, "")
+        else:
+            for r in rows:
+                click.echo(f"dead letter {r['dead_letter_id']} {verb}: {r['action']}")
+            click.echo(f"{len(rows)} dead letter(s) {verb}")
+
+    return command
+
+
+dlq.command("discard", help="Discard open dead letters, with a reason; keys they blocked go on.")(
+    _closing(deadletter.discard, "discarded")
+)
+dlq.command("resolve", help="Mark open dead letters resolved by hand; keys they blocked go on.")(
+    _closing(deadletter.resolve, "resolved")
+)
+
+
+@dlq.command("edit")
+@click.argument("dead_letter_id", type=int)
+@click.option("--payload", "payload_text", help="The new payload, as JSON.")
+@click.option(
+    "--payload-file", type=click.File("r"), help="Read the new payload (JSON) from a file ('-': stdin)."
+)
+@reason_option
+@actor_option
+@click.pass_context
+def dlq_edit(
+    ctx: click.Context,
+    dead_letter_id: int,
+    payload_text: str | None,
+    payload_file: Any,
+    reason: str,
+    actor: str,
+) -> None:
+    """Set the payload a replay will send (versioned; the original is kept)."""
+    if (payload_text is None) == (payload_file is None):
+        raise click.UsageError("give exactly one of --payload or --payload-file")
+    raw = payload_text if payload_text is not None else payload_file.read()
+    try:
+        payload = json.loads(raw)
+    except json.JSONDecodeError as error:
+        raise click.BadParameter(f"not JSON: {error}", param_hint="--payload") from None
+    with connection(ctx) as conn:
+        version = deadletter.edit_payload(conn, dead_letter_id, payload, reason, actor)
+    click.echo(f"dead letter {dead_letter_id}: payload version {version} saved (the original is kept)")
+
+
+@dlq.command("replay")
+@filter_options
+@click.option("--all", "everything", is_flag=True, help="Every open dead letter (no filter).")
+@click.option(
+    "--mode",
+    type=click.Choice(["in_place", "new_message"]),
+    default="in_place",
+    show_default=True,
+    help="in_place: same message_id; new_message: a new message referencing the original.",
+)
+@click.option("--rate", type=float, default=10.0, show_default=True, help="Messages per second at most.")
+@click.option("--batch-size", type=int, default=50, show_default=True)
+@click.option("--max-in-flight", type=int, default=100, show_default=True)
+@click.option(
+    "--canary",
+    type=int,
+    default=0,
+    show_default=True,
+    help="Replay this many first; go on only if all succeed.",
+)
+@click.option(
+    "--abort-ratio",
+    type=float,
+    default=0.5,
+    show_default=True,
+    help="Abort above this failed/finished ratio.",
+)
+@click.option("--dry-run", is_flag=True, help="Say what would happen; send nothing.")
+@click.option("--detach", is_flag=True, help="Only create the job (a `postbox replay run` process runs it).")
+@reason_option
+@actor_option
+@json_option
+@click.pass_context
+def dlq_replay(
+    ctx: click.Context,
+    /,
+    everything: bool,
+    mode: str,
+    rate: float,
+    batch_size: int,
+    max_in_flight: int,
+    canary: int,
+    abort_ratio: float,
+    dry_run: bool,
+    detach: bool,
+    reason: str,
+    actor: str,
+    as_json: bool,
+    **kw: Any,
+) -> None:
+    """Replay dead letters as a controlled job: rate-limited, per key in order, stoppable."""
+    flt = dead_letter_filter(kw)
+    require_selection(flt, everything)
+    try:
+        options = ReplayOptions(
+            mode=cast(Literal["in_place", "new_message"], mode),
+            rate=rate,
+            batch_size=batch_size,
+            max_in_flight=max_in_flight,
+            canary=canary,
+            abort_failure_ratio=abort_ratio,
+            dry_run=dry_run,
+        )
+    except ValueError as error:
+        raise click.UsageError(str(error)) from None
+    with connection(ctx) as conn:
+        job_id = replay.start(conn, flt, reason, actor, options)
+    if not as_json:
+        click.echo(f"replay job {job_id} created ({'dry run' if dry_run else mode}, {rate:g}/s)", err=True)
+    if detach:
+        with connection(ctx) as conn:
+            report(replay.get(conn, job_id), as_json)
+        return
+    job = run_in_foreground(ctx, job_id, as_json)
+    if dry_run and not as_json:
+        with connection(ctx) as conn:
+            for item in replay.items(conn, job_id):
+                click.echo(f"  dead letter {item['dead_letter_id']}: {item['action']}")
+    if job.state in ("aborted", "cancelled"):
+        sys.exit(1)
+
+
+@dlq.command("audit")
+@click.option("--limit", default=50, show_default=True, type=click.IntRange(1, 100_000))
+@json_option
+@click.pass_context
+def dlq_audit(ctx: click.Context, limit: int, as_json: bool) -> None:
+    """Operator actions, newest first (postbox.audit_log)."""
+    with connection(ctx) as conn:
+        rows = deadletter.audit_trail(conn, limit)
+    emit(
+        rows,
+        ["id", "at", "db_role", "actor", "action", "reason", "target"],
+        as_json,
+        "no operator actions yet",
+    )

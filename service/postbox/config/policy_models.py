@@ -1,0 +1,196 @@
+"""The models of per-consumer and per-message-type policies from a TOML file, validated with errors that name the
+setting, then applied to a handler registry.
+
+    [consumers.billing]
+    sequence_mode = "arrival"            # arrival | monotonic | gapless
+    on_dead_letter = "block"             # block | skip | halt
+    retry = { strategy = "exponential_full_jitter", base_delay = 1, max_delay = 300, max_attempts = 10 }
+    breaker = { failure_ratio = 0.8, probe_interval = 5 }
+
+    [consumers.billing.types."order.paid"]
+    retry = { max_attempts = 5 }         # merged over the consumer's retry settings
+    on_dead_letter = "skip"
+    idempotent = true
+
+Precedence: the file overrides what the handlers declare in Python, which overrides the defaults.
+
+Outbound HTTP (HTTP handlers and HTTP destinations) follows ``http_allowed_hosts`` and
+``http_deny_private_networks`` of ``[postbox]`` (or ``POSTBOX_HTTP_…`` variables, which win).
+Every secret the file holds (URL passwords and tokens, secret header values) is registered for
+masking as the file is loaded.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from postbox.config.masking import host_pattern, split_hosts
+from postbox.failures.breaker import BreakerSettings
+from postbox.failures.policy import RetryPolicy
+
+__all__ = [
+    "ConsumerPolicy",
+    "DestinationConfig",
+    "HandlerConfig",
+    "HttpDestination",
+    "HttpHandlerConfig",
+    "NatsDestination",
+    "PoliciesConfig",
+    "PostgresDestination",
+    "RabbitMQDestination",
+    "RedisDestination",
+    "SqlHandlerConfig",
+    "TypePolicy",
+]
+
+DAY = 86400.0
+
+
+class TypePolicy(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    retry: dict[str, Any] | None = None
+    on_dead_letter: Literal["block", "skip", "halt"] | None = None
+    idempotent: bool | None = None
+    timeout: float | None = Field(default=None, gt=0)
+
+
+class SqlHandlerConfig(BaseModel):
+    """A PostgreSQL function ``schema.function(message jsonb, context jsonb)`` as the handler."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    kind: Literal["sql"]
+    function: str = Field(min_length=1)
+    idempotent: bool = False
+    timeout: float | None = Field(default=None, gt=0)
+
+
+class HttpHandlerConfig(BaseModel):
+    """An HTTP endpoint as the handler: the message is POSTed as JSON."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    kind: Literal["http"]
+    url: str = Field(pattern=r"^https?://")
+    timeout: float = Field(default=10.0, gt=0, description="seconds per request")
+    idempotent: bool = False
+    hmac_secret_env: str | None = Field(
+        default=None, description="environment variable holding the HMAC secret"
+    )
+    headers: dict[str, str] = Field(default_factory=dict)
+    max_concurrency: int = Field(default=8, ge=1, le=1024)
+
+
+HandlerConfig = Annotated[SqlHandlerConfig | HttpHandlerConfig, Field(discriminator="kind")]
+
+
+class ConsumerPolicy(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    sequence_mode: Literal["arrival", "monotonic", "gapless"] = "arrival"
+    first_sequence: int = Field(default=1, ge=0)
+    late_policy: Literal["dead_letter", "skip", "process"] = "dead_letter"
+    on_dead_letter: Literal["block", "skip", "halt"] = "block"
+    gap_timeout_seconds: float | None = Field(default=None, gt=0)
+    retry: dict[str, Any] = Field(default_factory=dict)
+    breaker: BreakerSettings = Field(default_factory=BreakerSettings)
+    types: dict[str, TypePolicy] = Field(default_factory=dict)
+    handlers: dict[str, HandlerConfig] = Field(
+        default_factory=dict, description='handlers declared in the file, by message type ("*": every type)'
+    )
+
+    def retry_policy(self, type_: str | None = None) -> RetryPolicy:
+        merged = dict(self.retry)
+        if type_ is not None and type_ in self.types and self.types[type_].retry:
+            merged.update(self.types[type_].retry or {})
+        return RetryPolicy(**merged)
+
+
+class _Destination(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    retry: dict[str, Any] = Field(default_factory=dict)
+    on_dead_letter: Literal["block", "skip"] = "block"
+
+    def retry_policy(self) -> RetryPolicy:
+        return RetryPolicy(**self.retry)
+
+
+class PostgresDestination(_Destination):
+    """Deliver into the inbox of ``consumer`` in the database at ``url`` (default: the relay's own)."""
+
+    kind: Literal["postgres"]
+    consumer: str = Field(min_length=1)
+    url: str | None = None
+    source: str | None = None
+
+
+class RabbitMQDestination(_Destination):
+    """Publish to RabbitMQ with confirms (default: a durable queue named after the destination)."""
+
+    kind: Literal["rabbitmq"]
+    url: str = "amqp://guest:guest@127.0.0.1:5672/%2F"
+    exchange: str = ""
+    routing_key: str | None = None
+
+
+class NatsDestination(_Destination):
+    """Publish to a NATS JetStream subject (stream created if missing)."""
+
+    kind: Literal["nats"]
+    url: str = "nats://127.0.0.1:4222"
+    subject: str | None = None
+    stream: str | None = None
+
+
+class RedisDestination(_Destination):
+    """XADD to a Redis stream."""
+
+    kind: Literal["redis"]
+    url: str = "redis://127.0.0.1:6379/0"
+    stream: str | None = None
+    maxlen: int | None = Field(default=None, gt=0)
+
+
+class HttpDestination(_Destination):
+    """POST each row to a webhook."""
+
+    kind: Literal["http"]
+    url: str = Field(pattern=r"^https?://")
+    timeout: float = Field(default=10.0, gt=0)
+    hmac_secret_env: str | None = None
+    headers: dict[str, str] = Field(default_factory=dict)
+
+
+DestinationConfig = Annotated[
+    PostgresDestination | RabbitMQDestination | NatsDestination | RedisDestination | HttpDestination,
+    Field(discriminator="kind"),
+]
+
+
+class PoliciesConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    dedup_retention_seconds: float = Field(default=7 * DAY, gt=0)
+    replay_window_seconds: float = Field(default=1 * DAY, ge=0)
+    http_allowed_hosts: tuple[str, ...] = Field(
+        default=(), description="hosts HTTP handlers and destinations may call (empty: any)"
+    )
+    http_deny_private_networks: bool = Field(
+        default=False, description="refuse HTTP requests to non-public addresses"
+    )
+    consumers: dict[str, ConsumerPolicy] = Field(default_factory=dict)
+    destinations: dict[str, DestinationConfig] = Field(default_factory=dict)
+
+    @field_validator("http_allowed_hosts", mode="before")
+    @classmethod
+    def _hosts_from_text(cls, value: Any) -> Any:
+        return split_hosts(value)
+
+    @field_validator("http_allowed_hosts")
+    @classmethod
+    def _hosts_valid(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        return tuple(host_pattern(h) for h in value)

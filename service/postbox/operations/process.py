@@ -1,0 +1,174 @@
+"""One runtime for every long-running Postbox process (worker, relay, bridge, maintenance, replay
+runner): wait for the database, run the service until SIGTERM/SIGINT, join it within the grace
+period, decide the exit code, flush the logs.
+
+A service is anything of the :class:`Service` shape; :func:`run_process` runs one as the process.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from types import FrameType
+from typing import Any, Protocol, runtime_checkable
+
+from postbox.operations.runtime import DatabaseUnreachable, wait_for_database
+
+__all__ = ["EXIT_FATAL", "ProcessSpec", "Service", "StartupFailed", "await_database", "run_process"]
+
+EXIT_FATAL = 70
+"""The exit status of a process that cannot go on (for its supervisor to restart it)."""
+
+
+@runtime_checkable
+class Service(Protocol):
+    """What a long-running Postbox component offers the process that runs it."""
+
+    def start(self) -> None:
+        """Start working in background threads and return."""
+
+    def run(self) -> None:
+        """``start``, wait until stopped, ``join``: the service in the calling thread."""
+
+    def stop(self) -> None:
+        """Stop taking new work; what is in flight finishes (``join`` bounds it)."""
+
+    def abort(self) -> None:
+        """Stop at once: what is in flight is given back."""
+
+    def join(self, grace: float | None = None) -> None:
+        """Wait up to ``grace`` seconds (None: the service's own) for in-flight work, then clean up."""
+
+    def ready(self) -> bool:
+        """For ``/readyz``: running and able to work."""
+
+    @property
+    def stopping(self) -> bool:
+        """``stop`` (or ``abort``) was called."""
+
+    @property
+    def fatal(self) -> str | None:
+        """Why the service cannot go on (the process exits with :data:`EXIT_FATAL`), or None."""
+
+
+class StartupFailed(Exception):
+    """The process could not start (database unreachable, schema not ready)."""
+
+
+def _say(text: str) -> None:
+    print(f"postbox: {text}", file=sys.stderr, flush=True)
+
+
+@dataclass
+class ProcessSpec:
+    """How to run one service as a process.
+
+    ``what`` names it in messages; ``stop_message`` is printed on the first signal (``aborting`` on
+    the second); ``before_start`` runs once the database answers (declarations, checks);
+    ``serve`` starts the metrics and readiness endpoint with the service's ``ready``;
+    ``check_schema`` returns a warning to print, or raises :class:`StartupFailed`."""
+
+    what: str
+    url: str
+    connect_timeout: float | None = None
+    grace: float | None = None
+    stop_message: str = "stopping"
+    before_start: Callable[[], None] | None = None
+    serve: Callable[[Callable[[], bool]], Any] | None = None
+    check_schema: Callable[[str], str | None] | None = None
+    say: Callable[[str], None] = field(default=_say)
+
+
+class _Signals:
+    """SIGTERM/SIGINT: the first stops the service, the second aborts it."""
+
+    def __init__(self, service: Service, spec: ProcessSpec) -> None:
+        self.service = service
+        self.spec = spec
+        self.count = 0
+        self.event = threading.Event()
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> _Signals:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            self._previous[sig] = signal.signal(sig, self._on_signal)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        self.count += 1
+        self.event.set()
+        if self.count == 1:
+            self.spec.say(f"{self.spec.stop_message} (signal {signum})")
+            self.service.stop()
+        else:
+            self.spec.say("aborting")
+            self.service.abort()
+
+
+def await_database(spec: ProcessSpec, stopping: threading.Event) -> bool:
+    """Wait for the database (``connect_timeout``), then check its schema; False if ``stopping``
+    was set meanwhile."""
+    try:
+        reached = wait_for_database(spec.url, what=spec.what, timeout=spec.connect_timeout, stopping=stopping)
+    except DatabaseUnreachable as error:
+        raise StartupFailed(f"{spec.what}: cannot reach the database: {error}") from None
+    if not reached:
+        return False
+    if spec.check_schema is not None:
+        warning = spec.check_schema(spec.url)
+        if warning is not None:
+            spec.say(warning)
+    return True
+
+
+def run_process(service: Service, spec: ProcessSpec) -> int:
+    """Run ``service`` as this process until a signal stops it; the exit status.
+
+    Waits for the database (``connect_timeout``; a signal meanwhile exits 0), runs ``before_start``,
+    serves metrics, starts the service, waits until it stops (a signal, or a fatal condition),
+    joins it within ``grace`` (at once after a second signal). A fatal service exits
+    :data:`EXIT_FATAL`; handler threads still stuck in user code are not waited for."""
+    with _Signals(service, spec) as signals:
+        if not await_database(spec, signals.event):
+            spec.say(f"{spec.what} stopped while waiting for the database")
+            return 0
+        if spec.before_start is not None:
+            spec.before_start()
+        if spec.serve is not None:
+            spec.serve(service.ready)
+        service.start()
+        try:
+            while not service.stopping and service.fatal is None:
+                signals.event.wait(0.5)
+        finally:
+            service.join(spec.grace)
+    return _exit(service, spec)
+
+
+def _exit(service: Service, spec: ProcessSpec) -> int:
+    fatal = service.fatal
+    if fatal is not None:
+        spec.say(fatal)
+    stuck = int(getattr(service, "stuck_threads", 0))
+    _flush_logs()
+    if fatal is None and not stuck:
+        return 0
+    # Threads may still be stuck in user code: leave without waiting for them.
+    logging.shutdown()
+    os._exit(EXIT_FATAL if fatal is not None else 0)
+
+
+def _flush_logs() -> None:
+    for handler in logging.getLogger().handlers + logging.getLogger("postbox").handlers:
+        handler.flush()
+    sys.stdout.flush()
+    sys.stderr.flush()
