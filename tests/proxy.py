@@ -17,7 +17,9 @@ class Proxy:
         # A host that is a folder is a Unix socket's (libpq's convention), as the embedded
         # PostgreSQL of `make test` has.
         self.target: tuple[str, int] | str = (
-            f"{target_host}/.s.PGSQL.{target_port}" if target_host.startswith("/") else (target_host, target_port)
+            f"{target_host}/.s.PGSQL.{target_port}"
+            if target_host.startswith("/")
+            else (target_host, target_port)
         )
         self._conns: list[socket.socket] = []
         self._lock = threading.Lock()

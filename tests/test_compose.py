@@ -323,9 +323,15 @@ def test_dockerfile_builds_a_non_root_python_311_image_of_the_postbox_command():
     ENTRYPOINT is the ``postbox`` script that pyproject.toml declares."""
     instructions = _dockerfile()
     assert instructions[0] == ("FROM", "python:3.11-slim")
-    installs = [r for i, r in instructions if i == "RUN" and re.search(r"pip install (\S+ )*[\"']?\.(\[[a-z,]+\])?[\"']?(\s|$)", r)]
+    installs = [
+        r
+        for i, r in instructions
+        if i == "RUN" and re.search(r"pip install (\S+ )*[\"']?\.(\[[a-z,]+\])?[\"']?(\s|$)", r)
+    ]
     assert installs, "the image installs the package from the build context"
-    assert not any("embedded" in r or "pgserver" in r for r in installs), "the image has no embedded PostgreSQL"
+    assert not any("embedded" in r or "pgserver" in r for r in installs), (
+        "the image has no embedded PostgreSQL"
+    )
     users = [r for i, r in instructions if i == "USER"]
     assert users and users[-1].split(":")[0] not in ("root", "0")
     (entrypoint,) = [r for i, r in instructions if i == "ENTRYPOINT"]

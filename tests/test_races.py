@@ -243,8 +243,8 @@ def test_claim_and_promote_use_their_indexes_with_a_large_backlog(db):
         c.commit()
         claim = _plan(
             c,
-            "SELECT i.id FROM postbox.inbox i WHERE i.consumer = 'c' AND i.state IN ('ready', 'running')"
-            " AND i.available_at <= now() ORDER BY i.available_at, i.id LIMIT 20 FOR UPDATE SKIP LOCKED",
+            "SELECT q.id FROM postbox.inbox q WHERE q.consumer = 'c' AND q.state IN ('ready', 'running')"
+            " AND q.available_at <= now() ORDER BY q.available_at, q.id LIMIT 20 FOR UPDATE SKIP LOCKED",
         )
         assert "inbox_claim_idx" in claim and "Seq Scan" not in claim, claim
         promote = _plan(
@@ -259,7 +259,7 @@ def test_claim_and_promote_use_their_indexes_with_a_large_backlog(db):
         assert "inbox_head_uq" in head and "Seq Scan" not in head, head
         # The SQL text the function really runs is the one guarded above.
         body = c.execute("SELECT prosrc FROM pg_proc WHERE proname = 'inbox_claim_v1'").fetchone()[0]
-        assert "i.state IN ('ready', 'running')" in body and "ORDER BY i.available_at, i.id" in body
+        assert "q.state IN ('ready', 'running')" in body and "ORDER BY q.available_at, q.id" in body
         # And the claim works on that backlog: only ready heads of consumer c come back.
         rows = c.execute(
             "SELECT message_id FROM postbox.inbox_claim_v1('c', 'w', 50, '1 minute', now())"

@@ -14,6 +14,7 @@ change between releases:
 - errors Postbox raises: :class:`PostboxError` and its subclasses.
 """
 
+from postbox._version import __version__
 from postbox.config.settings import Settings
 from postbox.errors import ConfigError, InvalidMessage, InvalidRequest, PostboxError
 from postbox.failures.outcomes import Permanent, Retry, Transient, UnknownOutcome
@@ -25,8 +26,6 @@ from postbox.inbox.worker import Worker, WorkerSettings
 from postbox.messages import InboxMessage, OutboxMessage, ReceiveResult, ReceiveStatus
 from postbox.outbox.publish import publish, publish_async, publish_many, publish_many_async
 from postbox.outbox.relay import Relay, RelaySettings
-
-__version__ = "0.1.0"
 
 __all__ = [
     "AsyncContext",

@@ -101,7 +101,7 @@ def start_observability(
 ) -> tuple[MetricsServer, DatabaseMetrics | None] | None:
     """Serve metrics on ``port`` (0: off) with the database gauges refreshed every ``db_interval``
     seconds (0: no database gauges in this process). Returns what it started."""
-    from postbox import __version__
+    from postbox._version import __version__
 
     BUILD.info({"version": __version__})
     if port <= 0:

@@ -92,7 +92,7 @@ def wait_for_database(
 
 
 def _version() -> str:
-    from postbox import __version__
+    from postbox._version import __version__
 
     return __version__
 

@@ -32,7 +32,7 @@ from datetime import UTC, datetime
 from email.utils import parsedate_to_datetime
 from typing import TYPE_CHECKING, Any
 
-from postbox.config.settings import (
+from postbox.config.masking import (
     host_pattern,
     is_secret_name,
     mask_text,
