@@ -125,20 +125,24 @@ BEGIN
     IF cardinality(v_done) < cardinality(p_ids) THEN
         v_lost := ARRAY(SELECT u.id FROM unnest(p_ids) AS u(id) WHERE u.id <> ALL(v_done));
     END IF;
+    -- The key locks first, in a statement of their own: the next statement's snapshot is taken after
+    -- them, so it sees every producer that committed before we locked (one committing later holds
+    -- the lock shared meanwhile, waits for ours, and then files a repair itself).
     WITH k AS MATERIALIZED (
         SELECT x.queue, x.key, postbox.try_lock_key_v1({{lock}}, x.queue, x.key) AS locked
           FROM unnest(v_queues, v_keys) AS x(queue, key)),
     repairs AS (
         INSERT INTO postbox.key_repairs (origin, queue, key)
-        SELECT '{{table}}', k.queue, k.key FROM k WHERE NOT k.locked),
-    heads AS (
+        SELECT '{{table}}', k.queue, k.key FROM k WHERE NOT k.locked)
+    SELECT array_agg(k.queue), array_agg(k.key) INTO v_queues, v_keys FROM k WHERE k.locked;
+    WITH heads AS (
         UPDATE postbox.{{table}} q SET state = 'ready', available_at = p_now
           FROM (SELECT n.id
-                  FROM k, LATERAL (SELECT p.id FROM postbox.{{table}} p  -- the first queued row: one index probe
-                                    WHERE p.{{queue}} = k.queue AND p.key = k.key AND p.state = 'pending'
-                                    ORDER BY p.position, p.id LIMIT 1) n
-                 WHERE k.locked
-                   AND NOT EXISTS (SELECT 1 FROM postbox.{{table}} h
+                  FROM unnest(v_queues, v_keys) AS k(queue, key),
+                       LATERAL (SELECT p.id FROM postbox.{{table}} p  -- the first queued row: one index probe
+                                 WHERE p.{{queue}} = k.queue AND p.key = k.key AND p.state = 'pending'
+                                 ORDER BY p.position, p.id LIMIT 1) n
+                 WHERE NOT EXISTS (SELECT 1 FROM postbox.{{table}} h
                                     WHERE h.{{queue}} = k.queue AND h.key = k.key AND h.state <> 'pending')) nx
          WHERE q.id = nx.id
         RETURNING q.{{queue}})
