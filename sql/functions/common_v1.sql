@@ -129,6 +129,91 @@ BEGIN
 END
 $$;
 
+-- A message's fields, all within their limits, in one expression: inlined into the caller's IF, so
+-- the good path pays for nothing more; only bad input calls postbox.reject_message_fields_v1 to learn
+-- which field it was. (queue is the consumer or the destination; a NULL source or
+-- message_id_required = false stand for fields the caller does not have or may omit.)
+CREATE OR REPLACE FUNCTION postbox.message_fields_bad_v1(
+    queue text, message_id text, message_id_required boolean, key text, type text,
+    correlation_id text, causation_id text, source text, payload jsonb, headers jsonb)
+RETURNS boolean
+LANGUAGE sql IMMUTABLE AS $$
+    SELECT coalesce(queue IS NULL OR octet_length(queue) NOT BETWEEN 1 AND 200
+                    OR (message_id IS NULL AND message_id_required)
+                    OR octet_length(message_id) NOT BETWEEN 1 AND 512
+                    OR octet_length(key) NOT BETWEEN 1 AND 1024
+                    OR octet_length(type) NOT BETWEEN 1 AND 200
+                    OR octet_length(correlation_id) NOT BETWEEN 1 AND 512
+                    OR octet_length(causation_id) NOT BETWEEN 1 AND 512
+                    OR octet_length(source) NOT BETWEEN 1 AND 512
+                    OR payload IS NULL
+                    OR jsonb_typeof(headers) <> 'object', false)
+$$;
+
+-- Raise the error of the first field postbox.message_fields_bad_v1 finds wrong (queue_field names
+-- the queue: consumer or destination).
+CREATE OR REPLACE FUNCTION postbox.reject_message_fields_v1(
+    queue_field text, queue text, message_id text, message_id_required boolean, key text, type text,
+    correlation_id text, causation_id text, source text, payload jsonb, headers jsonb)
+RETURNS void
+LANGUAGE plpgsql IMMUTABLE AS $$
+BEGIN
+    PERFORM postbox.check_text_v1(queue, queue_field, 200, true);
+    PERFORM postbox.check_text_v1(message_id, 'message_id', 512, message_id_required);
+    PERFORM postbox.check_text_v1(key, 'key', 1024, false);
+    PERFORM postbox.check_text_v1(type, 'type', 200, false);
+    PERFORM postbox.check_text_v1(correlation_id, 'correlation_id', 512, false);
+    PERFORM postbox.check_text_v1(causation_id, 'causation_id', 512, false);
+    PERFORM postbox.check_text_v1(source, 'source', 512, false);
+    IF payload IS NULL THEN
+        PERFORM postbox.reject_v1('payload', 'is required');
+    END IF;
+    IF jsonb_typeof(headers) <> 'object' THEN
+        PERFORM postbox.reject_v1('headers', 'must be a JSON object');
+    END IF;
+END
+$$;
+
+-- Whether a message's payload or headers text needs postbox.check_message_json_v1: a short text can
+-- only break the size limit. (Inlined into the caller's IF.)
+CREATE OR REPLACE FUNCTION postbox.message_json_large_v1(payload_text text, headers_text text)
+RETURNS boolean
+LANGUAGE sql STABLE AS $$
+    SELECT octet_length(payload_text) > 128 OR octet_length(headers_text) > 128
+           OR octet_length(payload_text) > postbox.max_payload_bytes_v1()
+           OR octet_length(headers_text) > postbox.max_headers_bytes_v1()
+$$;
+
+-- A message's payload and headers (as jsonb and as text): size, nesting and numbers. Called when
+-- postbox.message_json_large_v1 says so.
+CREATE OR REPLACE FUNCTION postbox.check_message_json_v1(payload jsonb, payload_text text, headers jsonb, headers_text text)
+RETURNS void
+LANGUAGE plpgsql STABLE AS $$
+BEGIN
+    PERFORM postbox.check_json_v1(payload, payload_text, 'payload', postbox.max_payload_bytes_v1(), 'postbox.max_payload_bytes');
+    PERFORM postbox.check_json_v1(headers, headers_text, 'headers', postbox.max_headers_bytes_v1(), 'postbox.max_headers_bytes');
+END
+$$;
+
+-- One element of a JSON array of messages (messages[n]) is an object whose text fields are strings
+-- or null; the first that is not is refused, named.
+CREATE OR REPLACE FUNCTION postbox.check_message_element_v1(m jsonb, n bigint, text_fields text[])
+RETURNS void
+LANGUAGE plpgsql IMMUTABLE AS $$
+DECLARE
+    f text;
+BEGIN
+    IF jsonb_typeof(m) <> 'object' THEN
+        PERFORM postbox.reject_v1(format('messages[%s]', n), 'must be a JSON object');
+    END IF;
+    FOREACH f IN ARRAY text_fields LOOP
+        IF jsonb_typeof(m -> f) NOT IN ('string', 'null') THEN
+            PERFORM postbox.reject_v1(format('messages[%s].%s', n, f), 'must be a string');
+        END IF;
+    END LOOP;
+END
+$$;
+
 -- Every element of an array of text fields is valid: NULL only if not required (a NULL array is
 -- a field no element has), otherwise 1 to max_bytes bytes.
 -- (plpgsql, not sql: a sql function with a subquery is planned again in every transaction, a

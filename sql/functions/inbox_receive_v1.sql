@@ -21,9 +21,8 @@ DECLARE
     v_consumer  text   := inbox_receive_v1.consumer;
     v_key       text   := coalesce(inbox_receive_v1.key, inbox_receive_v1.message_id);
     v_seq       bigint := inbox_receive_v1.sequence;
-    v_text      text;
-    v_htext     text;
-    v_bytes     bigint;
+    v_text      text   := inbox_receive_v1.payload::text;
+    v_htext     text   := inbox_receive_v1.headers::text;
     v_hash      bytea;
     v_mode      text;
     v_first     bigint;
@@ -34,47 +33,24 @@ DECLARE
     v_old       record;
 BEGIN
     -- One cheap expression checks everything; only bad input pays for finding which field it was.
-    IF v_consumer IS NULL OR octet_length(v_consumer) NOT BETWEEN 1 AND 200
-       OR inbox_receive_v1.message_id IS NULL OR octet_length(inbox_receive_v1.message_id) NOT BETWEEN 1 AND 512
-       OR octet_length(inbox_receive_v1.key) NOT BETWEEN 1 AND 1024
-       OR octet_length(inbox_receive_v1.type) NOT BETWEEN 1 AND 200
-       OR octet_length(inbox_receive_v1.correlation_id) NOT BETWEEN 1 AND 512
-       OR octet_length(inbox_receive_v1.causation_id) NOT BETWEEN 1 AND 512
-       OR octet_length(inbox_receive_v1.source) NOT BETWEEN 1 AND 512
-       OR inbox_receive_v1.payload IS NULL OR v_seq < 0
-       OR inbox_receive_v1.schema_version IS NULL OR inbox_receive_v1.schema_version < 1
-       OR jsonb_typeof(inbox_receive_v1.headers) <> 'object'
+    IF postbox.message_fields_bad_v1(v_consumer, inbox_receive_v1.message_id, true, inbox_receive_v1.key,
+                                     inbox_receive_v1.type, inbox_receive_v1.correlation_id,
+                                     inbox_receive_v1.causation_id, inbox_receive_v1.source,
+                                     inbox_receive_v1.payload, inbox_receive_v1.headers)
+       OR v_seq < 0 OR inbox_receive_v1.schema_version IS NULL OR inbox_receive_v1.schema_version < 1
     THEN
-        PERFORM postbox.check_text_v1(v_consumer, 'consumer', 200, true);
-        PERFORM postbox.check_text_v1(inbox_receive_v1.message_id, 'message_id', 512, true);
-        PERFORM postbox.check_text_v1(inbox_receive_v1.key, 'key', 1024, false);
-        PERFORM postbox.check_text_v1(inbox_receive_v1.type, 'type', 200, false);
-        PERFORM postbox.check_text_v1(inbox_receive_v1.correlation_id, 'correlation_id', 512, false);
-        PERFORM postbox.check_text_v1(inbox_receive_v1.causation_id, 'causation_id', 512, false);
-        PERFORM postbox.check_text_v1(inbox_receive_v1.source, 'source', 512, false);
-        IF inbox_receive_v1.payload IS NULL THEN
-            PERFORM postbox.reject_v1('payload', 'is required');
-        END IF;
+        PERFORM postbox.reject_message_fields_v1('consumer', v_consumer, inbox_receive_v1.message_id, true,
+                                                 inbox_receive_v1.key, inbox_receive_v1.type,
+                                                 inbox_receive_v1.correlation_id, inbox_receive_v1.causation_id,
+                                                 inbox_receive_v1.source, inbox_receive_v1.payload,
+                                                 inbox_receive_v1.headers);
         IF v_seq < 0 THEN
             PERFORM postbox.reject_v1('sequence', 'must not be negative');
         END IF;
-        IF inbox_receive_v1.schema_version IS NULL OR inbox_receive_v1.schema_version < 1 THEN
-            PERFORM postbox.reject_v1('schema_version', 'must be a positive integer');
-        END IF;
-        PERFORM postbox.reject_v1('headers', 'must be a JSON object');
+        PERFORM postbox.reject_v1('schema_version', 'must be a positive integer');
     END IF;
-    -- Payload and headers: size, nesting and numbers (a short text can only break the size limit).
-    v_text := inbox_receive_v1.payload::text;
-    v_bytes := octet_length(v_text);
-    IF v_bytes > 128 OR v_bytes > postbox.max_payload_bytes_v1() THEN
-        PERFORM postbox.check_json_v1(inbox_receive_v1.payload, v_text, 'payload',
-                                      postbox.max_payload_bytes_v1(), 'postbox.max_payload_bytes');
-    END IF;
-    v_htext := inbox_receive_v1.headers::text;
-    v_bytes := octet_length(v_htext);
-    IF v_bytes > 128 OR v_bytes > postbox.max_headers_bytes_v1() THEN
-        PERFORM postbox.check_json_v1(inbox_receive_v1.headers, v_htext, 'headers',
-                                      postbox.max_headers_bytes_v1(), 'postbox.max_headers_bytes');
+    IF postbox.message_json_large_v1(v_text, v_htext) THEN
+        PERFORM postbox.check_message_json_v1(inbox_receive_v1.payload, v_text, inbox_receive_v1.headers, v_htext);
     END IF;
 
     SELECT c.sequence_mode, c.first_sequence INTO v_mode, v_first
@@ -569,14 +545,8 @@ DECLARE
     r    record;
 BEGIN
     FOR m, n IN SELECT e.value, e.ordinality FROM jsonb_array_elements(messages) WITH ORDINALITY e LOOP
-        IF jsonb_typeof(m) <> 'object' THEN
-            PERFORM postbox.reject_v1(format('messages[%s]', n), 'must be a JSON object');
-        END IF;
-        FOREACH f IN ARRAY ARRAY['consumer', 'message_id', 'key', 'type', 'correlation_id', 'causation_id', 'source'] LOOP
-            IF jsonb_typeof(m -> f) NOT IN ('string', 'null') THEN
-                PERFORM postbox.reject_v1(format('messages[%s].%s', n, f), 'must be a string');
-            END IF;
-        END LOOP;
+        PERFORM postbox.check_message_element_v1(
+            m, n, ARRAY['consumer', 'message_id', 'key', 'type', 'correlation_id', 'causation_id', 'source']);
         FOREACH f IN ARRAY ARRAY['sequence', 'schema_version'] LOOP
             IF jsonb_typeof(m -> f) NOT IN ('number', 'null') OR (m ->> f) ~ '[.eE]' THEN
                 PERFORM postbox.reject_v1(format('messages[%s].%s', n, f), 'must be an integer');

@@ -16,38 +16,22 @@ DECLARE
     v_id    bigint;
     v_mid   text := coalesce(outbox_publish_v1.message_id, gen_random_uuid()::text);
     v_key   text;
-    v_text  text;
+    v_text  text := outbox_publish_v1.payload::text;
+    v_htext text := outbox_publish_v1.headers::text;
 BEGIN
-    IF outbox_publish_v1.destination IS NULL OR octet_length(outbox_publish_v1.destination) NOT BETWEEN 1 AND 200
-       OR octet_length(outbox_publish_v1.message_id) NOT BETWEEN 1 AND 512
-       OR octet_length(outbox_publish_v1.key) NOT BETWEEN 1 AND 1024
-       OR octet_length(outbox_publish_v1.type) NOT BETWEEN 1 AND 200
-       OR octet_length(outbox_publish_v1.correlation_id) NOT BETWEEN 1 AND 512
-       OR octet_length(outbox_publish_v1.causation_id) NOT BETWEEN 1 AND 512
-       OR outbox_publish_v1.payload IS NULL
-       OR jsonb_typeof(outbox_publish_v1.headers) <> 'object'
-    THEN
-        PERFORM postbox.check_text_v1(outbox_publish_v1.destination, 'destination', 200, true);
-        PERFORM postbox.check_text_v1(outbox_publish_v1.message_id, 'message_id', 512, false);
-        PERFORM postbox.check_text_v1(outbox_publish_v1.key, 'key', 1024, false);
-        PERFORM postbox.check_text_v1(outbox_publish_v1.type, 'type', 200, false);
-        PERFORM postbox.check_text_v1(outbox_publish_v1.correlation_id, 'correlation_id', 512, false);
-        PERFORM postbox.check_text_v1(outbox_publish_v1.causation_id, 'causation_id', 512, false);
-        IF outbox_publish_v1.payload IS NULL THEN
-            PERFORM postbox.reject_v1('payload', 'is required');
-        END IF;
-        PERFORM postbox.reject_v1('headers', 'must be a JSON object');
+    -- One cheap expression checks everything; only bad input pays for finding which field it was.
+    IF postbox.message_fields_bad_v1(outbox_publish_v1.destination, outbox_publish_v1.message_id, false,
+                                     outbox_publish_v1.key, outbox_publish_v1.type, outbox_publish_v1.correlation_id,
+                                     outbox_publish_v1.causation_id, NULL, outbox_publish_v1.payload,
+                                     outbox_publish_v1.headers) THEN
+        PERFORM postbox.reject_message_fields_v1('destination', outbox_publish_v1.destination,
+                                                 outbox_publish_v1.message_id, false, outbox_publish_v1.key,
+                                                 outbox_publish_v1.type, outbox_publish_v1.correlation_id,
+                                                 outbox_publish_v1.causation_id, NULL, outbox_publish_v1.payload,
+                                                 outbox_publish_v1.headers);
     END IF;
-    -- Payload and headers: size, nesting and numbers (a short text can only break the size limit).
-    v_text := outbox_publish_v1.payload::text;
-    IF octet_length(v_text) > 128 OR octet_length(v_text) > postbox.max_payload_bytes_v1() THEN
-        PERFORM postbox.check_json_v1(outbox_publish_v1.payload, v_text, 'payload',
-                                      postbox.max_payload_bytes_v1(), 'postbox.max_payload_bytes');
-    END IF;
-    v_text := outbox_publish_v1.headers::text;
-    IF octet_length(v_text) > 128 OR octet_length(v_text) > postbox.max_headers_bytes_v1() THEN
-        PERFORM postbox.check_json_v1(outbox_publish_v1.headers, v_text, 'headers',
-                                      postbox.max_headers_bytes_v1(), 'postbox.max_headers_bytes');
+    IF postbox.message_json_large_v1(v_text, v_htext) THEN
+        PERFORM postbox.check_message_json_v1(outbox_publish_v1.payload, v_text, outbox_publish_v1.headers, v_htext);
     END IF;
     v_key := coalesce(outbox_publish_v1.key, v_mid);
     v_id := nextval('postbox.outbox_id_seq');
@@ -88,7 +72,6 @@ LANGUAGE plpgsql VOLATILE AS $$
 DECLARE
     m    jsonb;
     n    bigint;
-    f    text;
 BEGIN
     IF messages IS NULL OR jsonb_typeof(messages) <> 'array' THEN
         PERFORM postbox.reject_v1('messages', 'must be a JSON array');
@@ -100,14 +83,8 @@ BEGIN
                  ORDER BY CASE WHEN jsonb_typeof(e.value) = 'object' THEN e.value ->> 'destination' END,
                           CASE WHEN jsonb_typeof(e.value) = 'object' THEN coalesce(e.value ->> 'key', e.value ->> 'message_id') END,
                           e.ordinality LOOP
-        IF jsonb_typeof(m) <> 'object' THEN
-            PERFORM postbox.reject_v1(format('messages[%s]', n), 'must be a JSON object');
-        END IF;
-        FOREACH f IN ARRAY ARRAY['destination', 'message_id', 'key', 'type', 'correlation_id', 'causation_id'] LOOP
-            IF jsonb_typeof(m -> f) NOT IN ('string', 'null') THEN
-                PERFORM postbox.reject_v1(format('messages[%s].%s', n, f), 'must be a string');
-            END IF;
-        END LOOP;
+        PERFORM postbox.check_message_element_v1(
+            m, n, ARRAY['destination', 'message_id', 'key', 'type', 'correlation_id', 'causation_id']);
         ordinality := n;
         outbox_id := postbox.outbox_publish_v1(
             destination    => m ->> 'destination',

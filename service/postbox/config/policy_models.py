@@ -1,24 +1,6 @@
-"""The models of per-consumer and per-message-type policies from a TOML file, validated with errors that name the
-setting, then applied to a handler registry.
-
-    [consumers.billing]
-    sequence_mode = "arrival"            # arrival | monotonic | gapless
-    on_dead_letter = "block"             # block | skip | halt
-    retry = { strategy = "exponential_full_jitter", base_delay = 1, max_delay = 300, max_attempts = 10 }
-    breaker = { failure_ratio = 0.8, probe_interval = 5 }
-
-    [consumers.billing.types."order.paid"]
-    retry = { max_attempts = 5 }         # merged over the consumer's retry settings
-    on_dead_letter = "skip"
-    idempotent = true
-
-Precedence: the file overrides what the handlers declare in Python, which overrides the defaults.
-
-Outbound HTTP (HTTP handlers and HTTP destinations) follows ``http_allowed_hosts`` and
-``http_deny_private_networks`` of ``[postbox]`` (or ``POSTBOX_HTTP_…`` variables, which win).
-Every secret the file holds (URL passwords and tokens, secret header values) is registered for
-masking as the file is loaded.
-"""
+"""The models behind the policy tables of the configuration file (``[consumers.NAME]`` with its
+``types``, ``[destinations.NAME]``, the handler sections), validated by pydantic with errors that
+name the setting; :mod:`postbox.config.policies` loads them and applies them to a registry."""
 
 from __future__ import annotations
 
