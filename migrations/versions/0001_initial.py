@@ -1,4 +1,5 @@
-"""Initial schema: inbox, outbox, dead letters, workers; producer functions.
+"""Initial schema: inbox, outbox, dead letters, workers; producer functions. Released in 0.1.0:
+frozen (RELEASED_SHA256 pins every line of SQL it applies; a change is a new revision).
 
 Revision ID: 0001
 Revises:
@@ -7,7 +8,7 @@ Create Date: 2026-11-29
 
 from pathlib import Path
 
-from postbox.schema.apply_sql import run_sql, run_sql_file, run_sql_template
+from postbox.schema.apply_sql import apply_frozen, sql_file_text, template_text
 from postbox.schema.render import render_each
 
 revision = "0001"
@@ -50,23 +51,23 @@ CREATE TRIGGER dead_letters_link_replay BEFORE INSERT ON postbox.dead_letters
 """
 
 
-def upgrade() -> None:
+RELEASED_SHA256 = "4b6ff8c2387f48d1abb8aad14f69c5fc9520fea511f59e60ed358c4cf0cbb56e"
+
+
+def statements() -> list[str]:
+    """Every SQL text this revision applies, in order."""
     here = Path(__file__).parent
-    run_sql((here / "0001_schema.sql").read_text(encoding="utf-8"))
-    run_sql_template(here / "0001_queues.sql")
-    for name in FUNCTIONS:
-        if name in PER_DIRECTION:
-            run_sql_template(name)
-        else:
-            run_sql_file(name)
-    run_sql(render_each(TRIGGERS))
-    run_sql_file(ROLES)
+    parts = [(here / "0001_schema.sql").read_text(encoding="utf-8"), template_text(here / "0001_queues.sql")]
+    parts += [template_text(n) if n in PER_DIRECTION else sql_file_text(n) for n in FUNCTIONS]
+    return [*parts, render_each(TRIGGERS), sql_file_text(ROLES)]
 
 
-def downgrade() -> None:
-    # Everything in schema postbox but Alembic's own version table.
-    run_sql(
-        """
+def upgrade() -> None:
+    apply_frozen(revision, RELEASED_SHA256, frozen(), run=statements())
+
+
+# Everything in schema postbox but Alembic's own version table.
+DOWNGRADE = """
 DO $$
 DECLARE r record;
 BEGIN
@@ -85,4 +86,12 @@ BEGIN
 END
 $$;
 """
-    )
+
+
+def downgrade() -> None:
+    apply_frozen(revision, RELEASED_SHA256, frozen(), run=[DOWNGRADE])
+
+
+def frozen() -> list[str]:
+    """All the SQL of this revision, both ways: what RELEASED_SHA256 pins."""
+    return [*statements(), DOWNGRADE]

@@ -35,6 +35,11 @@ from postbox.deadletters.replay import ReplayOptions
 __all__ = ["dlq"]
 
 
+def _replay_default(name: str) -> Any:
+    """A replay option's default, as the settings model declares it (one place)."""
+    return ReplayOptions.model_fields[name].default
+
+
 @click.group()
 def dlq() -> None:
     """Dead letters: list, group, show, explain, replay, discard, resolve, edit."""
@@ -207,24 +212,30 @@ def dlq_edit(
 @click.option(
     "--mode",
     type=click.Choice(["in_place", "new_message"]),
-    default="in_place",
+    default=_replay_default("mode"),
     show_default=True,
     help="in_place: same message_id; new_message: a new message referencing the original.",
 )
-@click.option("--rate", type=float, default=10.0, show_default=True, help="Messages per second at most.")
-@click.option("--batch-size", type=int, default=50, show_default=True)
-@click.option("--max-in-flight", type=int, default=100, show_default=True)
+@click.option(
+    "--rate",
+    type=float,
+    default=_replay_default("rate"),
+    show_default=True,
+    help="Messages per second at most.",
+)
+@click.option("--batch-size", type=int, default=_replay_default("batch_size"), show_default=True)
+@click.option("--max-in-flight", type=int, default=_replay_default("max_in_flight"), show_default=True)
 @click.option(
     "--canary",
     type=int,
-    default=0,
+    default=_replay_default("canary"),
     show_default=True,
     help="Replay this many first; go on only if all succeed.",
 )
 @click.option(
     "--abort-ratio",
     type=float,
-    default=0.5,
+    default=_replay_default("abort_failure_ratio"),
     show_default=True,
     help="Abort above this failed/finished ratio.",
 )

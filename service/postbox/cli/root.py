@@ -20,6 +20,7 @@ from postbox.cli.services import bridge, relay, worker
 from postbox.config.settings import mask_text, mask_url
 from postbox.errors import ConfigError
 from postbox.schema import migrate as migrations
+from postbox.schema.apply_sql import FrozenRevisionChanged
 
 __all__ = ["main"]
 
@@ -76,7 +77,10 @@ def migrate(ctx: click.Context, as_sql: bool, revision: str, check: bool) -> Non
             f"postbox: {mask_url(url)} is up to date (revision {migrations.current_revision(url)})", err=True
         )
         return
-    migrations.upgrade(url, revision)
+    try:
+        migrations.upgrade(url, revision)
+    except FrozenRevisionChanged as error:
+        raise click.ClickException(str(error)) from None
     click.echo(f"postbox: {mask_url(url)} is at revision {migrations.current_revision(url)}", err=True)
 
 
