@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import importlib.util
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 from types import ModuleType
 
 import psycopg
 import pytest
 
+from postbox.config.settings import sqlalchemy_url
 from postbox.db.paths import migrations_dir, sql_dir
 from postbox.schema import apply_sql, migrate
 from postbox.schema.apply_sql import FrozenRevisionChanged, digest
@@ -71,3 +74,75 @@ def test_the_revision_files_name_no_sql_outside_the_package_data():
         assert (sql_dir() / name).is_file(), name
         assert name in text
     assert Path(sql_dir() / "roles_v1.sql").is_file()
+
+
+USER_ENV_PY = """
+from alembic import context
+from sqlalchemy import create_engine
+
+engine = create_engine(context.config.get_main_option("sqlalchemy.url"))
+with engine.begin() as connection:
+    context.configure(connection=connection)  # the application's own version table (public)
+    with context.begin_transaction():
+        context.run_migrations()
+engine.dispose()
+"""
+
+USER_REVISION = """
+from alembic import op
+import sqlalchemy as sa
+
+revision = "a1"
+down_revision = None
+branch_labels = None
+depends_on = None
+
+
+def upgrade():
+    op.create_table("orders", sa.Column("id", sa.Integer, primary_key=True))
+
+
+def downgrade():
+    op.drop_table("orders")
+"""
+
+# The deploy step of docs/upgrading.md: Postbox's revisions, then the application's, one after the
+# other (an Alembic env.py cannot run another Alembic project inside itself).
+USER_DEPLOY = """
+import sys
+
+from alembic import command
+from alembic.config import Config
+
+from postbox.schema import migrate as postbox_migrations
+
+postbox_migrations.upgrade(sys.argv[1])  # recorded in postbox.alembic_version
+command.upgrade(Config("alembic.ini"), "head")  # recorded in the application's own version table
+"""
+
+
+def test_an_applications_own_alembic_project_runs_beside_postbox_migrations(empty_database, tmp_path):
+    """Each keeps its own version table, and `postbox migrate --check` sees an up-to-date schema."""
+    project = tmp_path / "alembic"
+    (project / "versions").mkdir(parents=True)
+    (project / "env.py").write_text(USER_ENV_PY)
+    (project / "versions" / "a1_orders.py").write_text(USER_REVISION)
+    (tmp_path / "deploy.py").write_text(USER_DEPLOY)
+    sa_url = sqlalchemy_url(empty_database.url)
+    (tmp_path / "alembic.ini").write_text(
+        f"[alembic]\nscript_location = {project}\nsqlalchemy.url = {sa_url.replace('%', '%%')}\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "deploy.py", empty_database.url],
+        check=False, capture_output=True, text=True, timeout=120, cwd=tmp_path,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    with psycopg.connect(empty_database.url) as c:
+        assert c.execute("SELECT version_num FROM public.alembic_version").fetchall() == [("a1",)]
+        assert c.execute("SELECT version_num FROM postbox.alembic_version").fetchall() == [("0001",)]
+        assert c.execute("SELECT to_regclass('public.orders') IS NOT NULL").fetchone() == (True,)
+    check = subprocess.run(
+        [sys.executable, "-m", "postbox", "--database-url", empty_database.url, "migrate", "--check"],
+        check=False, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert check.returncode == 0, check.stderr

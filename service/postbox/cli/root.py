@@ -56,16 +56,25 @@ def cli(
     is_flag=True,
     help="Only report: exit 0 if the schema is up to date, 1 if an upgrade is pending.",
 )
+@click.option(
+    "--from",
+    "start",
+    metavar="REVISION",
+    help="With --sql: the revision the database is at; print only the DDL from there (default: all).",
+)
 @click.pass_context
-def migrate(ctx: click.Context, as_sql: bool, revision: str, check: bool) -> None:
+def migrate(ctx: click.Context, as_sql: bool, revision: str, check: bool, start: str | None) -> None:
     """Upgrade the database schema (or print its DDL with --sql)."""
     known = migrations.known_revisions()
-    if revision not in ("head", "base", *known):
-        raise click.ClickException(
-            f"unknown revision {revision!r}: this postbox ships {', '.join(known)} (head {known[-1]})"
-        )
+    for given in (revision, start):
+        if given is not None and given not in ("head", "base", *known):
+            raise click.ClickException(
+                f"unknown revision {given!r}: this postbox ships {', '.join(known)} (head {known[-1]})"
+            )
+    if start is not None and not as_sql:
+        raise click.UsageError("--from goes with --sql (online, the database knows its revision)")
     if as_sql:
-        click.echo(migrations.upgrade_sql(revision), nl=False)
+        click.echo(migrations.upgrade_sql(revision, start=None if start == "base" else start), nl=False)
         return
     url = _url(ctx)
     if check:
