@@ -82,6 +82,22 @@ SELECT origin, coalesce(consumer, destination) AS queue, key, blocking_message_i
 -- name: key_unblock
 SELECT postbox.key_unblock_v1(:origin, :queue, :key, :reason, :actor, CAST(:replay AS boolean));
 
+-- name: consumer_names
+-- Every consumer Postbox knows of: declared or halted, with received messages (every live message
+-- has its deduplication entry; read by a skip scan of its primary key, one probe per consumer),
+-- dead letters or workers.
+WITH RECURSIVE received AS (
+    SELECT min(consumer) AS name FROM postbox.inbox_dedup
+    UNION ALL
+    SELECT (SELECT min(d.consumer) FROM postbox.inbox_dedup d WHERE d.consumer > r.name)
+      FROM received r WHERE r.name IS NOT NULL)
+SELECT name FROM received WHERE name IS NOT NULL
+UNION SELECT name FROM postbox.consumers
+UNION SELECT queue FROM postbox.workers WHERE kind IN ('worker', 'bridge') AND queue IS NOT NULL
+UNION SELECT DISTINCT consumer FROM postbox.dead_letters WHERE consumer IS NOT NULL
+UNION SELECT :consumer WHERE EXISTS (SELECT 1 FROM postbox.inbox WHERE consumer = :consumer)
+ORDER BY 1;
+
 -- name: consumer_halt
 SELECT postbox.consumer_halt_op_v1(:consumer, :reason, :actor);
 

@@ -10,6 +10,7 @@ from typing import Any
 import click
 
 from postbox.config.settings import Settings, load_settings
+from postbox.config.urls import libpq_url
 from postbox.demo.embedded import resolve_database_url
 from postbox.operations.process import ProcessSpec, Service, StartupFailed, await_database, run_process
 
@@ -37,7 +38,7 @@ def database_url(ctx: click.Context) -> str:
     """The configured database, or the embedded PostgreSQL when none is configured."""
     s = settings(ctx)
     configured = s.database_url.get_secret_value() if s.database_url else None
-    url = resolve_database_url(configured, s.embedded_data_dir)
+    url = libpq_url(resolve_database_url(configured, s.embedded_data_dir))
     ctx.ensure_object(dict)["url"] = url  # for the one-line diagnosis of a schema that is missing
     return url
 

@@ -201,7 +201,8 @@ def config_check(ctx: click.Context) -> None:
             effective.update(policies.model_dump(mode="json", exclude_defaults=False))
     except ConfigError as error:
         errors.append(str(error))
-    click.echo(json.dumps(mask_secrets(effective), indent=2, default=str))
+    if effective:
+        click.echo(json.dumps(mask_secrets(effective), indent=2, default=str))
     if errors:
         for e in errors:
             click.echo(f"postbox: {mask_text(e)}", err=True)

@@ -9,11 +9,13 @@ the per-consumer and per-destination policies (see :mod:`postbox.config.policies
 
 from __future__ import annotations
 
+import difflib
 import os
 import tomllib
+from collections.abc import Iterable
 from contextvars import ContextVar
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator
 from pydantic_settings import (
@@ -36,6 +38,7 @@ from postbox.config.masking import (
     split_hosts,
 )
 from postbox.config.policy_models import ConsumerPolicy, DestinationConfig, PoliciesConfig
+from postbox.config.urls import sqlalchemy_url
 from postbox.errors import ConfigError
 
 __all__ = [
@@ -246,9 +249,43 @@ def read_toml(path: Path) -> dict[str, Any]:
         raise ConfigError(f"config file {path} is not valid TOML: {error}") from None
 
 
+_FILE_TABLES = ("postbox", "consumers", "destinations")
+
+
+def did_you_mean(name: str, candidates: Iterable[str]) -> str:
+    """`` (did you mean 'x'?)`` for the closest of ``candidates``, or nothing."""
+    close = difflib.get_close_matches(name, list(candidates), n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def _setting_names(model: Any = None, seen: set[Any] | None = None) -> set[str]:
+    """Every setting name the configuration models declare, at any depth."""
+    model = model or Settings
+    seen = seen if seen is not None else set()
+    if model in seen:
+        return set()
+    seen.add(model)
+    names: set[str] = set()
+    for name, field in model.model_fields.items():
+        names.add(name)
+        stack = [field.annotation]
+        while stack:
+            t = stack.pop()
+            if isinstance(t, type) and issubclass(t, BaseModel):
+                names |= _setting_names(t, seen)
+            stack.extend(get_args(t))
+    return names
+
+
 def _as_settings(document: dict[str, Any], where: str) -> dict[str, Any]:
     """The file's ``[postbox]`` table with its ``[consumers]`` and ``[destinations]`` beside it;
     every secret it holds is registered for masking."""
+    unknown = sorted(set(document) - set(_FILE_TABLES))
+    if unknown:
+        raise ConfigError(
+            f"{where}: unknown section [{unknown[0]}]{did_you_mean(unknown[0], _FILE_TABLES)}; "
+            f"a configuration file has {', '.join(f'[{t}]' for t in _FILE_TABLES)}"
+        )
     section = document.get("postbox", {})
     if not isinstance(section, dict):
         raise ConfigError(f"{where}: [postbox] must be a table")
@@ -284,7 +321,8 @@ def _problems(error: ValidationError, origin: dict[str, str]) -> str:
     for e in error.errors():
         loc = ".".join(str(p) for p in e["loc"]) or "settings"
         where = origin.get(str(e["loc"][0]) if e["loc"] else "", "")
-        out.append(f"{loc}{f' ({where})' if where else ''}: {e['msg'].removeprefix('Value error, ')}")
+        hint = did_you_mean(str(e["loc"][-1]), _setting_names()) if e["type"] == "extra_forbidden" else ""
+        out.append(f"{loc}{f' ({where})' if where else ''}: {e['msg'].removeprefix('Value error, ')}{hint}")
     return "; ".join(out)
 
 
@@ -350,11 +388,3 @@ def _retry_problems(error: ValidationError, prefix: str) -> str:
         f"{prefix}{'.'.join(str(p) for p in e['loc'])}: {e['msg'].removeprefix('Value error, ')}"
         for e in error.errors()
     )
-
-
-def sqlalchemy_url(url: str) -> str:
-    """The same URL with SQLAlchemy's psycopg 3 driver name."""
-    for prefix in ("postgresql+psycopg://", "postgresql://", "postgres://"):
-        if url.startswith(prefix):
-            return "postgresql+psycopg://" + url[len(prefix) :]
-    raise ConfigError("database_url must start with postgresql://")

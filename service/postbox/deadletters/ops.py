@@ -165,6 +165,11 @@ def unblock_key(
     return str(next(iter(rows[0].values())))
 
 
+def consumer_names(conn: psycopg.Connection[Any], consumer: str) -> list[str]:
+    """The consumers Postbox knows of (``consumer`` among them if it has messages)."""
+    return [str(r["name"]) for r in run_dicts(conn, query("consumer_names"), {"consumer": consumer})]
+
+
 def halt_consumer(
     conn: psycopg.Connection[Any], consumer: str, reason: str, actor: str | None = None
 ) -> None:

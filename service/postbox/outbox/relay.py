@@ -27,6 +27,7 @@ from typing import Any
 import psycopg
 
 from postbox.clock import Clock, SystemClock
+from postbox.config.urls import libpq_url
 from postbox.db import query
 from postbox.db.connector import run
 from postbox.failures.classify import Classifier, fingerprint
@@ -102,7 +103,7 @@ class Relay(Embeddable):
         settings = RelaySettings.build(settings, options)
         if not transports:
             raise ValueError("postbox: a relay needs at least one destination")
-        self.url = url
+        self.url = libpq_url(url)
         # A factory gives every loop its own transport (broker clients are not thread-safe); a
         # shared instance is used by one loop at a time.
         self.transports = dict(transports)

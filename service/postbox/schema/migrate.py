@@ -10,7 +10,7 @@ from alembic import command
 from alembic.config import Config
 from sqlalchemy import create_engine
 
-from postbox.config.settings import sqlalchemy_url
+from postbox.config.urls import libpq_url, sqlalchemy_url
 from postbox.db.paths import migrations_dir
 
 __all__ = [
@@ -26,14 +26,6 @@ __all__ = [
     "upgrade",
     "upgrade_sql",
 ]
-
-
-def libpq_url(url: str) -> str:
-    """A URL psycopg accepts: SQLAlchemy's ``postgresql+psycopg://`` form turned into ``postgresql://``."""
-    scheme, sep, rest = url.partition("://")
-    if sep and scheme.startswith("postgresql+"):
-        return "postgresql://" + rest
-    return url
 
 
 class SchemaNotReady(Exception):

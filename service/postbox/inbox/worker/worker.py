@@ -29,6 +29,7 @@ from collections.abc import Callable
 from typing import Any
 
 from postbox.clock import Clock, SystemClock
+from postbox.config.urls import libpq_url
 from postbox.failures.breaker import CircuitBreaker
 from postbox.failures.classify import Classifier
 from postbox.inbox.handlers import Registry
@@ -69,7 +70,7 @@ class Worker(Embeddable):
         **options: Any,
     ) -> None:
         settings = WorkerSettings.build(settings, consumer, options)
-        self.url = url
+        self.url = libpq_url(url)
         self.registry = registry
         self.settings = settings
         self.clock = clock or SystemClock()

@@ -91,8 +91,8 @@ class RedisSource:
             out.append(
                 Incoming(
                     entry_id,
-                    f.get("message_id"),
-                    f.get("key"),
+                    f.get("message_id") or f.get("postbox-message-id"),
+                    f.get("key") or f.get("postbox-key"),
                     f.get("type") or None,
                     (f.get("payload") or "null").encode(),
                     headers,

@@ -1,0 +1,134 @@
+"""What a new user and operator meet first: every accepted database URL form works in every command,
+mistakes in names and configuration files are errors that say what was meant, and the bridge reads
+the fields the manual documents."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+import uuid
+from pathlib import Path
+
+import pytest
+import redis
+from psycopg.conninfo import conninfo_to_dict
+
+from postbox.config.urls import libpq_url, sqlalchemy_url
+from postbox.outbox.bridge import Bridge
+from postbox.outbox.transports import source_for
+from tests.helpers import eventually, scalar
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _postbox(*args: str, config: Path | None = None) -> subprocess.CompletedProcess[str]:
+    head = ["--config", str(config)] if config else []
+    return subprocess.run(
+        [sys.executable, "-m", "postbox", *head, *args],
+        check=False, capture_output=True, text=True, timeout=60, cwd=REPO,
+    )  # fmt: skip
+
+
+def _forms(url: str) -> dict[str, str]:
+    """The same database as a libpq URL, postgres://, SQLAlchemy's URL and a key=value DSN."""
+    params = conninfo_to_dict(url)
+    dsn = " ".join(f"{k}={v}" for k, v in params.items())
+    rest = url.split("://", 1)[1]
+    return {
+        "libpq": url,
+        "postgres": "postgres://" + rest,
+        "sqlalchemy": "postgresql+psycopg://" + rest,
+        "dsn": dsn,
+    }
+
+
+@pytest.mark.parametrize("form", ["libpq", "postgres", "sqlalchemy", "dsn"])
+def test_every_database_url_form_works_in_every_command(database, form):
+    url = _forms(database.url)[form]
+    for command in (["status", "--json"], ["dlq", "list", "--json"], ["migrate", "--check"]):
+        done = _postbox("--database-url", url, *command)
+        assert done.returncode == 0, (command, done.stderr)
+        assert "Traceback" not in done.stderr
+    json.loads(_postbox("--database-url", url, "status", "--json").stdout)
+
+
+def test_urls_are_read_by_sqlalchemy_and_written_in_the_form_each_client_needs():
+    assert libpq_url("postgresql+psycopg://u:p%40ss@h:5433/db?sslmode=require") == (
+        "postgresql://u:p%40ss@h:5433/db?sslmode=require"
+    )
+    assert sqlalchemy_url("postgres://u@h/db") == "postgresql+psycopg://u@h/db"
+    socket = conninfo_to_dict(libpq_url("host=/var/run/postgresql port=5433 dbname=app user=u"))
+    assert socket == {"host": "/var/run/postgresql", "port": "5433", "dbname": "app", "user": "u"}
+
+
+def test_a_url_that_is_not_postgresql_is_one_line_saying_what_to_give(tmp_path):
+    done = _postbox("--database-url", "mysql://u:secret@h/db", "status")
+    assert done.returncode != 0 and "Traceback" not in done.stderr
+    assert "not a PostgreSQL URL" in done.stderr and "postgresql://" in done.stderr
+    assert "secret" not in done.stderr
+
+
+def test_halting_a_consumer_nobody_knows_is_an_error_naming_the_close_one(database, conn):
+    conn.execute("SELECT postbox.inbox_receive('orders', 'm1', '{}'::jsonb)")
+    conn.commit()
+    done = _postbox("--database-url", database.url, "consumer", "halt", "ordres", "--reason", "typo")
+    assert done.returncode == 1
+    assert "unknown consumer 'ordres'" in done.stderr and "did you mean 'orders'?" in done.stderr
+    assert scalar(database.url, "SELECT count(*) FROM postbox.consumers WHERE name = 'ordres'") == 0
+    done = _postbox("--database-url", database.url, "consumer", "resume", "ordres", "--reason", "typo")
+    assert done.returncode == 1 and "unknown consumer" in done.stderr
+    ok = _postbox("--database-url", database.url, "consumer", "halt", "orders", "--reason", "maintenance")
+    assert ok.returncode == 0 and "consumer orders halted" in ok.stdout
+
+
+@pytest.mark.parametrize(
+    ("text", "complaint"),
+    [
+        ("[consumerz.orders]\n", "unknown section [consumerz] (did you mean 'consumers'?)"),
+        (
+            '[destination.x]\nkind = "postgres"\n',
+            "unknown section [destination] (did you mean 'destinations'?)",
+        ),
+        ("[consumers.orders]\nretyr = { max_attempts = 3 }\n", "consumers.orders.retyr"),
+        ("[postbox]\nmetrics_prot = 9100\n", "(did you mean 'metrics_port'?)"),
+        ('[consumers.o.types."t"]\non_dead_leter = "skip"\n', "(did you mean 'on_dead_letter'?)"),
+    ],
+)
+def test_a_misspelt_configuration_file_is_refused_with_what_was_meant(tmp_path, text, complaint):
+    config = tmp_path / "postbox.toml"
+    config.write_text(text)
+    done = _postbox("config", "check", config=config)
+    assert done.returncode == 1 and "Traceback" not in done.stderr
+    assert complaint in done.stderr
+    assert done.stdout == ""
+
+
+def test_the_redis_bridge_reads_the_documented_field_names(database):
+    """An entry written by another program with the manual's field names (`postbox-message-id`,
+    `postbox-key`, `payload`) lands in the inbox; the transport's own names still work."""
+    stream = f"fields:{uuid.uuid4().hex[:8]}"
+    r = redis.Redis.from_url("redis://127.0.0.1:6379/0")
+    try:
+        r.xadd(
+            stream, {"postbox-message-id": "doc-1", "postbox-key": "k1", "payload": '{"n": 1}', "type": "t"}
+        )
+        r.xadd(stream, {"message_id": "own-2", "key": "k1", "payload": '{"n": 2}'})
+        bridge = Bridge(database.url, source_for("redis://127.0.0.1:6379/0", stream), "orders", wait=0.2)
+        thread = threading.Thread(target=bridge.run)
+        thread.start()
+        try:
+            eventually(lambda: scalar(database.url, "SELECT count(*) FROM postbox.inbox") == 2)
+        finally:
+            bridge.stop()
+            thread.join(30)
+        got = scalar(
+            database.url,
+            "SELECT string_agg(message_id || '/' || key || '/' || (payload->>'n'), ',' ORDER BY message_id)"
+            " FROM postbox.inbox",
+        )
+        assert got == "doc-1/k1/1,own-2/k1/2"
+    finally:
+        r.delete(stream)
+        r.close()
