@@ -5,9 +5,11 @@ the fields the manual documents."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import threading
+import time
 import uuid
 from pathlib import Path
 
@@ -132,3 +134,23 @@ def test_the_redis_bridge_reads_the_documented_field_names(database):
     finally:
         r.delete(stream)
         r.close()
+
+
+@pytest.mark.parametrize(
+    "command", [["status"], ["dlq", "list"], ["migrate"], ["consumer", "halt", "x", "--reason", "r"]]
+)
+def test_a_command_without_a_database_says_how_to_give_one_and_starts_nothing(tmp_path, command):
+    """Only the demo starts an embedded PostgreSQL; every other command names the three ways to give
+    a database, at once, and leaves no data folder behind."""
+    env = {k: v for k, v in os.environ.items() if k not in ("POSTBOX_DATABASE_URL", "POSTBOX_CONFIG")}
+    started = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, "-m", "postbox", *command],
+        check=False, capture_output=True, text=True, timeout=60, cwd=tmp_path, env={**env, "PYTHONPATH": str(REPO / "service")},
+    )  # fmt: skip
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines() == [done.stderr.strip()], "one line"
+    assert "no database given" in done.stderr and "POSTBOX_DATABASE_URL" in done.stderr
+    assert "--database-url" in done.stderr and "postbox demo" in done.stderr
+    assert not (tmp_path / ".pgdata").exists()
+    assert time.monotonic() - started < 30

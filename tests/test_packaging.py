@@ -192,7 +192,7 @@ def test_the_demo_without_a_database_url_needs_the_embedded_extra(tmp_path):
     )
     assert result.returncode == 1, result.stderr
     assert result.stderr.strip() == one_line(
-        "embedded", "the embedded PostgreSQL (used when no database URL is set)"
+        "embedded", "the embedded PostgreSQL (used by the demo when no database URL is set)"
     )
     assert "Traceback" not in result.stderr
 

@@ -11,7 +11,7 @@ import click
 
 from postbox.config.settings import Settings, load_settings
 from postbox.config.urls import libpq_url
-from postbox.demo.embedded import resolve_database_url
+from postbox.errors import ConfigError
 from postbox.operations.process import ProcessSpec, Service, StartupFailed, await_database, run_process
 
 __all__ = [
@@ -34,11 +34,19 @@ def settings(ctx: click.Context) -> Settings:
     return loaded
 
 
+NO_DATABASE = (
+    "no database given: set POSTBOX_DATABASE_URL, pass --database-url, or set database_url in [postbox] "
+    "of the configuration file (postgresql://USER@HOST:PORT/DATABASE); only 'postbox demo' "
+    "starts an embedded PostgreSQL"
+)
+
+
 def database_url(ctx: click.Context) -> str:
-    """The configured database, or the embedded PostgreSQL when none is configured."""
+    """The configured database, as a libpq URL; a one-line error when none is configured."""
     s = settings(ctx)
-    configured = s.database_url.get_secret_value() if s.database_url else None
-    url = libpq_url(resolve_database_url(configured, s.embedded_data_dir))
+    if s.database_url is None:
+        raise ConfigError(NO_DATABASE)
+    url = libpq_url(s.database_url.get_secret_value())
     ctx.ensure_object(dict)["url"] = url  # for the one-line diagnosis of a schema that is missing
     return url
 

@@ -120,10 +120,10 @@ class Settings(BaseSettings):
 
     database_url: SecretStr | None = Field(
         default=None,
-        description="PostgreSQL URL; when unset, an embedded PostgreSQL (pgserver) is started.",
+        description="PostgreSQL URL (every command needs one but the demo, which starts an embedded PostgreSQL without it).",
     )
     embedded_data_dir: Path = Field(
-        default=Path(".pgdata"), description="Data folder of the embedded PostgreSQL."
+        default=Path(".pgdata"), description="Data folder of the demo's embedded PostgreSQL."
     )
     config: Path | None = Field(default=None, description="TOML file with further settings.")
     dedup_retention_seconds: float = Field(

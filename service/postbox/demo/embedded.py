@@ -9,7 +9,7 @@ from typing import Any
 
 from postbox.extras import require
 
-__all__ = ["embedded_server", "embedded_url", "resolve_database_url"]
+__all__ = ["embedded_server", "embedded_url"]
 
 _servers: dict[Path, Any] = {}
 
@@ -24,7 +24,9 @@ def embedded_server(data_dir: Path, *, cleanup: str | None = "stop") -> Any:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # platformdirs complains about XDG_RUNTIME_DIR on servers
             # imported lazily: starting it is slow and most processes never need it
-            pgserver = require("embedded", "the embedded PostgreSQL (used when no database URL is set)")
+            pgserver = require(
+                "embedded", "the embedded PostgreSQL (used by the demo when no database URL is set)"
+            )
 
             path.mkdir(parents=True, exist_ok=True)
             _servers[path] = pgserver.get_server(path, cleanup_mode=cleanup)
@@ -35,8 +37,3 @@ def embedded_url(data_dir: Path, database: str = "postgres") -> str:
     """The URL of the embedded server (started if needed), connecting over its Unix socket."""
     server = embedded_server(data_dir)
     return str(server.get_uri(database))
-
-
-def resolve_database_url(configured: str | None, data_dir: Path) -> str:
-    """``configured`` if given, else the embedded server's URL (starting it)."""
-    return configured if configured else embedded_url(data_dir)
