@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -20,7 +21,7 @@ from psycopg.conninfo import conninfo_to_dict
 from postbox.config.urls import libpq_url, sqlalchemy_url
 from postbox.outbox.bridge import Bridge
 from postbox.outbox.transports import source_for
-from tests.helpers import eventually, scalar
+from tests.helpers import eventually, scalar, spawn_postbox
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -154,3 +155,46 @@ def test_a_command_without_a_database_says_how_to_give_one_and_starts_nothing(tm
     assert "--database-url" in done.stderr and "postbox demo" in done.stderr
     assert not (tmp_path / ".pgdata").exists()
     assert time.monotonic() - started < 30
+
+
+def test_a_json_log_stream_is_json_to_the_last_line_and_failures_carry_the_error(database, conn, tmp_path):
+    """Start, a failed attempt, a dead letter, the stop on SIGTERM: every line one JSON object; the
+    failure lines name the error's type and message, the message and the decision."""
+    conn.execute(
+        "SELECT postbox.inbox_receive('failing', 'j1', '\"abc\"'::jsonb, key => 'k-json', type => 't')"
+    )
+    conn.commit()
+    log = tmp_path / "worker.log"
+    with open(log, "wb") as out:
+        p = spawn_postbox(
+            "--database-url", database.url, "--log-format", "json", "--log-level", "info", "worker", "--consumer", "failing",
+            "--app", "tests.apps.failing:registry", "--poll-interval", "0.1", stderr=out.fileno(),
+        )  # fmt: skip
+    try:
+        eventually(
+            lambda: scalar(database.url, "SELECT count(*) FROM postbox.attempts WHERE message_id = 'j1'") >= 1
+        )
+    finally:
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(30) == 0
+    lines = [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
+    failed = next((entry for entry in lines if entry.get("event") == "attempt_failed"), None)
+    assert failed is not None, lines
+    assert failed["error_type"] == "ValueError" and failed["error"] == "amount must be a number, got 'abc'"
+    where = (failed["consumer"], failed["key"], failed["message_id"], failed["attempt"])
+    assert where == ("failing", "k-json", "j1", 1)
+    assert failed["decision"] in ("retry", "dead_letter")
+    assert any(entry.get("event") == "process" and "stopping" in entry["msg"] for entry in lines)
+
+
+def test_a_process_that_cannot_start_says_why_in_its_log_format(tmp_path):
+    log = tmp_path / "worker.log"
+    with open(log, "wb") as out:
+        p = spawn_postbox(
+            "--database-url", "postgresql://postgres@127.0.0.1:1/none", "--log-format", "json", "worker",
+            "--consumer", "mis", "--app", "tests.apps.misbehaving:registry", "--connect-timeout", "0.5",
+            stderr=out.fileno(),
+        )  # fmt: skip
+    assert p.wait(30) == 1
+    lines = [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
+    assert lines[-1]["level"] == "error" and "gave up after" in lines[-1]["msg"]

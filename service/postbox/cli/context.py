@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import sys
 import threading
 from collections.abc import Callable
@@ -98,7 +99,6 @@ def _spec(ctx: click.Context, what: str, url: str, connect_timeout: float | None
         connect_timeout=connect_timeout,
         serve=lambda ready: serve_metrics(ctx, settings(ctx), url, ready),
         check_schema=_check_schema(what),
-        say=lambda text: click.echo(f"postbox: {text}", err=True),
         **kw,
     )
 
@@ -131,6 +131,7 @@ def run_service(
     try:
         code = run_process(service, spec)
     except StartupFailed as error:
-        raise click.ClickException(str(error)) from None
+        spec.say(str(error), logging.ERROR)  # one line, in the log format (JSON stays JSON)
+        sys.exit(1)
     if code:
         sys.exit(code)

@@ -2,7 +2,8 @@
 terminal.
 
 Every message-related line carries, when known: ``consumer`` (or ``destination``), ``message_id``,
-``key``, ``sequence``, ``type``, ``attempt``, ``worker``, ``duration_ms``, ``error_type``,
+``key``, ``sequence``, ``type``, ``attempt``, ``worker``, ``duration_ms``, ``error_type``, ``error``
+(the error's message, cut at :data:`ERROR_TEXT_LIMIT` characters), ``decision``,
 ``correlation_id``, ``causation_id`` and ``trace_id`` (from the message's W3C ``traceparent``),
 next to ``ts``, ``level``, ``logger``, ``event`` (a stable snake_case name such as
 ``message_processed``) and ``msg`` (the sentence for humans). Fields are passed with
@@ -24,7 +25,26 @@ from typing import IO, Any
 from postbox.config.settings import mask_text
 from postbox.operations.tracing import trace_id
 
-__all__ = ["JsonFormatter", "TextFormatter", "configure_logging", "message_fields", "trace_id"]
+__all__ = [
+    "ERROR_TEXT_LIMIT",
+    "JsonFormatter",
+    "TextFormatter",
+    "configure_logging",
+    "error_text",
+    "message_fields",
+    "trace_id",
+]
+
+ERROR_TEXT_LIMIT = 500
+"""Characters of an error's message a log line carries (the failure records keep it whole)."""
+
+
+def error_text(text: str | None) -> str | None:
+    """An error's message for a log line's ``error`` field, cut at :data:`ERROR_TEXT_LIMIT`."""
+    if text is None or len(text) <= ERROR_TEXT_LIMIT:
+        return text
+    return text[: ERROR_TEXT_LIMIT - 1] + "…"
+
 
 # Attributes every LogRecord has: anything else on a record came from ``extra``.
 _STANDARD = set(logging.LogRecord("", 0, "", 0, "", None, None).__dict__) | {"message", "asctime", "taskName"}

@@ -60,8 +60,16 @@ class StartupFailed(Exception):
     """The process could not start (database unreachable, schema not ready)."""
 
 
-def _say(text: str) -> None:
-    print(f"postbox: {text}", file=sys.stderr, flush=True)
+_log = logging.getLogger("postbox.process")
+
+
+def _say(text: str, level: int = logging.INFO) -> None:
+    """A line about the process itself: through the configured log format (so a JSON log stream
+    stays JSON), or plain on stderr when logging is not set up."""
+    if any(getattr(h, "_postbox", False) for h in logging.getLogger().handlers):
+        _log.log(level, text, extra={"event": "process"})
+    else:
+        print(f"postbox: {text}", file=sys.stderr, flush=True)
 
 
 @dataclass
@@ -81,7 +89,7 @@ class ProcessSpec:
     before_start: Callable[[], None] | None = None
     serve: Callable[[Callable[[], bool]], Any] | None = None
     check_schema: Callable[[str], str | None] | None = None
-    say: Callable[[str], None] = field(default=_say)
+    say: Callable[..., None] = field(default=_say)
 
 
 class _Signals:
@@ -110,7 +118,7 @@ class _Signals:
             self.spec.say(f"{self.spec.stop_message} (signal {signum})")
             self.service.stop()
         else:
-            self.spec.say("aborting")
+            self.spec.say("aborting", logging.WARNING)
             self.service.abort()
 
 
@@ -126,7 +134,7 @@ def await_database(spec: ProcessSpec, stopping: threading.Event) -> bool:
     if spec.check_schema is not None:
         warning = spec.check_schema(spec.url)
         if warning is not None:
-            spec.say(warning)
+            spec.say(warning, logging.WARNING)
     return True
 
 
@@ -157,7 +165,7 @@ def run_process(service: Service, spec: ProcessSpec) -> int:
 def _exit(service: Service, spec: ProcessSpec) -> int:
     fatal = service.fatal
     if fatal is not None:
-        spec.say(fatal)
+        spec.say(fatal, logging.ERROR)
     stuck = int(getattr(service, "stuck_threads", 0))
     _flush_logs()
     if fatal is None and not stuck:

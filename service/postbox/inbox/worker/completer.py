@@ -21,6 +21,7 @@ from postbox.inbox.worker.base import SlotBase
 from postbox.inbox.worker.batch import Batch, Failure, log_fields
 from postbox.inbox.worker.settings import HandlerTimeout, SlotStop, WorkerShutdown
 from postbox.operations import metrics
+from postbox.operations.logs import error_text
 
 __all__ = ["Completer"]
 
@@ -159,6 +160,7 @@ class Completer(SlotBase):
                 message,
                 classification.error_type,
                 event="attempt_failed",
+                error=error_text(classification.message),
                 worker=self.worker.id,
                 decision="retry" if isinstance(decision, RetryAt) else "dead_letter",
                 duration_ms=None if duration_ms is None else round(duration_ms, 3),
@@ -253,6 +255,8 @@ class Completer(SlotBase):
                         f.message,
                         f.classification.error_type,
                         event="message_dead_lettered",
+                        error=error_text(f.classification.message),
+                        decision="dead_letter",
                         worker=self.worker.id,
                         reason=reason,
                     ),
