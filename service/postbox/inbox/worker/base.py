@@ -15,6 +15,7 @@ import psycopg
 from sqlalchemy import create_engine
 from sqlalchemy.engine import Connection as SAConnection
 from sqlalchemy.engine import Engine, RootTransaction
+from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncConnection as SAAsyncConnection
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, AsyncTransaction, create_async_engine
 from sqlalchemy.orm import Session
@@ -95,6 +96,7 @@ class SlotBase:
         is false (a slot that only settles an abandoned batch)."""
         backoff = 0.05
         while True:
+            conn: HandlerConnection | None = None
             try:
                 conn = HandlerConnection.connect(
                     self.worker.url,
@@ -108,7 +110,13 @@ class SlotBase:
                 if for_handlers and self._has_async:
                     self._connect_async(conn)
                 return conn
-            except psycopg.OperationalError as error:
+            except (psycopg.OperationalError, DBAPIError) as error:
+                # SQLAlchemy's first connect (engines over the new connection) runs queries too: a
+                # connection lost there is the same lost connection.
+                if isinstance(error, DBAPIError) and not isinstance(error.orig, psycopg.OperationalError):
+                    raise
+                if conn is not None:
+                    conn.close()
                 if self.worker.stopping:
                     raise SlotStop from error
                 log.warning("slot %s cannot connect: %s", self.index, error)

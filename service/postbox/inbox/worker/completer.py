@@ -27,6 +27,9 @@ __all__ = ["Completer"]
 
 log = logging.getLogger("postbox.worker")
 
+RECOVER_TRIES = 5
+"""Connections a slot tries, one after the other, to settle a batch whose connection was lost."""
+
 
 class Completer(SlotBase):
     """A slot's part that records outcomes and ends the batch's transaction."""
@@ -95,15 +98,17 @@ class Completer(SlotBase):
         """End the previous slot's server session (its transaction is rolled back, its stuck code
         can no longer write), then record the attempt it was running and give the rest back."""
         assert self.conn is not None
-        inheritance, self._inheritance = self._inheritance, None
+        inheritance = self._inheritance
         if inheritance is None:
             return
         conn = self.conn
         if inheritance.backend_pid is not None and inheritance.backend_pid != conn.info.backend_pid:
             run(conn, query("worker_terminate_backend"), {"pid": inheritance.backend_pid})
             conn.commit()
+            inheritance.backend_pid = None  # done: a later try must not hit a reused pid
         batch = inheritance.batch
         if batch is None:
+            self._inheritance = None
             return
         failures = list(batch.failures)
         give_back = [*batch.done, *batch.unrun]
@@ -117,6 +122,7 @@ class Completer(SlotBase):
             ran = {id(m) for m in batch.done} | {id(f.message) for f in batch.failures}
             give_back += [m for m in batch.messages if id(m) not in ran and m not in batch.unrun]
         self._finish([], failures, give_back)
+        self._inheritance = None  # settled: a slot that dies before this passes it on (abandon)
 
     def _failure(
         self,
@@ -305,14 +311,24 @@ class Completer(SlotBase):
         """The connection died mid-batch: nothing of the batch committed. On a new connection,
         record the attempt that was running as a transient failure and give the others back."""
         in_flight = batch.in_flight
-        try:
-            self._reconnect()
-            assert self.conn is not None
-            failures = []
-            if in_flight is not None:
-                error = ConnectionError("database connection lost during the handler")
-                failures.append(self._failure(in_flight, error))
-            self._finish([], failures, [m for m in batch.messages if m is not in_flight])
-        except psycopg.Error as error:
-            # Still no database: the leases run out and the messages are claimed again.
-            log.warning("slot %s could not recover its batch: %s", self.index, error)
+        failures = []
+        if in_flight is not None:
+            error = ConnectionError("database connection lost during the handler")
+            failures.append(self._failure(in_flight, error))
+        give_back = [m for m in batch.messages if m is not in_flight]
+        tries = 0
+        while tries < RECOVER_TRIES:
+            tries += 1
+            try:
+                self._reconnect()
+                assert self.conn is not None
+                # Fenced by attempt: a try whose commit did reach the server makes the next a no-op.
+                self._finish([], failures, give_back)
+                return
+            except psycopg.OperationalError as error:  # lost again: a new connection, again
+                last: psycopg.Error = error
+            except psycopg.Error as error:
+                last = error
+                break
+        # Still no database: the leases run out and the messages are claimed again.
+        log.warning("slot %s could not recover its batch after %s tries: %s", self.index, tries, last)

@@ -120,6 +120,9 @@ class Slot(ClaimLoop, Executor, Completer):
             if not died and shutdown is None and not self.busy:
                 return None  # the handler returned in the meantime
             self.abandoned = True
+            if self._inheritance is not None and self.batch is None:
+                # It died settling what an earlier slot left: that passes on, unsettled.
+                return self._inheritance
             batch = self.batch
             in_flight = batch.in_flight if batch is not None else None
             timeout = self._timeout
