@@ -6,9 +6,8 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field
 
-from postbox.config.masking import host_pattern, split_hosts
 from postbox.failures.breaker import BreakerSettings
 from postbox.failures.policy import RetryPolicy
 
@@ -154,6 +153,9 @@ DestinationConfig = Annotated[
 
 
 class PoliciesConfig(BaseModel):
+    """The policies part of :class:`postbox.config.settings.Settings` (``Settings.policies()``),
+    built from settings already validated there (the allowed hosts included)."""
+
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     dedup_retention_seconds: float = Field(default=7 * DAY, gt=0)
@@ -166,13 +168,3 @@ class PoliciesConfig(BaseModel):
     )
     consumers: dict[str, ConsumerPolicy] = Field(default_factory=dict)
     destinations: dict[str, DestinationConfig] = Field(default_factory=dict)
-
-    @field_validator("http_allowed_hosts", mode="before")
-    @classmethod
-    def _hosts_from_text(cls, value: Any) -> Any:
-        return split_hosts(value)
-
-    @field_validator("http_allowed_hosts")
-    @classmethod
-    def _hosts_valid(cls, value: tuple[str, ...]) -> tuple[str, ...]:
-        return tuple(host_pattern(h) for h in value)
