@@ -233,7 +233,7 @@ def run_demo(
     """Run the scenario; returns each order's final state (for the test that checks the outcome)."""
     started = time.monotonic()
     _say(
-        "Postbox demo: the order scenario from the retry/DLQ article, on real PostgreSQL and real processes\n"
+        "Postbox demo: an order scenario end to end, on real PostgreSQL and real processes\n"
     )
     url, cleanup = _database(base_url, data_dir, database)
     _say(f"· database {database} on {_server_of(url)}, created for this demo: migrating schema postbox")
@@ -251,7 +251,7 @@ def run_demo(
                 states = _play(url, conn, timeout)
         finally:
             _stop_processes(processes)
-    _epilogue(url, database, started)
+    _epilogue(url, database, started, embedded=base_url is None)
     cleanup()
     return states
 
@@ -308,17 +308,24 @@ def _stop_processes(processes: list[subprocess.Popen[bytes]]) -> None:
             proc.kill()
 
 
-def _epilogue(url: str, database: str, started: float) -> None:
+def _epilogue(url: str, database: str, started: float, *, embedded: bool) -> None:
     _say("\nWhat a DBA would run to see the same (psql into the demo database):")
     for sql in SUMMARY_SQL.values():
         _say(f"  {sql};")
     _say(
         f"  SELECT * FROM postbox.dlq_explain({deadletter_id_hint(url)});   -- one dead letter's whole story"
     )
+    done = f"\nDone in {time.monotonic() - started:.1f} s; every process stopped."
+    if embedded:
+        _say(
+            f"{done} The embedded PostgreSQL stops with the demo (its data stays in the data folder; the "
+            "next demo replaces its database). To explore the result with psql, run the demo on a server "
+            "of yours: POSTBOX_DATABASE_URL=postgresql://USER@HOST:PORT/postgres make demo"
+        )
+        return
     _say(
-        f"\nDone in {time.monotonic() - started:.1f} s; every process stopped. Database {database} is kept for you "
-        f'to explore (psql "{mask_url(url)}"); remove it with DROP DATABASE {database} (the next demo '
-        "replaces it)."
+        f'{done} Database {database} is kept for you to explore (psql "{mask_url(url)}"); remove it with '
+        f"DROP DATABASE {database} (the next demo replaces it)."
     )
 
 
