@@ -18,10 +18,12 @@ import pytest
 import redis
 from psycopg.conninfo import conninfo_to_dict
 
+import postbox
 from postbox.config.urls import libpq_url, sqlalchemy_url
 from postbox.outbox.bridge import Bridge
 from postbox.outbox.transports import source_for
-from tests.helpers import eventually, scalar, spawn_postbox
+from tests.apps import failing
+from tests.helpers import FAST_WORKER, eventually, scalar, spawn_postbox
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -198,3 +200,26 @@ def test_a_process_that_cannot_start_says_why_in_its_log_format(tmp_path):
     assert p.wait(30) == 1
     lines = [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
     assert lines[-1]["level"] == "error" and "gave up after" in lines[-1]["msg"]
+
+
+def test_dead_letter_listings_show_the_error_type_and_explain_shows_details_whole(database, conn):
+    """`dlq list` shows `ValueError: …` (type and message); `dlq explain` cuts long details at 60
+    characters, and `--full` shows them whole."""
+    long_value = "x" * 120
+    conn.execute("SELECT postbox.inbox_receive('failing', 'long', %s::jsonb)", (json.dumps(long_value),))
+    conn.commit()
+    with postbox.Worker(database.url, failing.registry, consumer="failing", **FAST_WORKER):
+        eventually(lambda: scalar(database.url, "SELECT count(*) FROM postbox.dead_letters") == 1)
+    listed = _postbox("--database-url", database.url, "dlq", "list", "--full")
+    assert listed.returncode == 0
+    assert f"ValueError: amount must be a number, got '{long_value}'" in listed.stdout
+    assert (
+        "ValueError: amount must be a number"
+        in _postbox("--database-url", database.url, "dlq", "list").stdout
+    )
+    cut = _postbox("--database-url", database.url, "dlq", "explain", "--message-id", "long")
+    assert cut.returncode == 0 and long_value not in cut.stdout and "..." in cut.stdout
+    whole = _postbox("--database-url", database.url, "dlq", "explain", "--message-id", "long", "--full")
+    assert whole.returncode == 0 and long_value in whole.stdout
+    as_json = json.loads(_postbox("--database-url", database.url, "dlq", "explain", "1", "--json").stdout)
+    assert any(long_value in str(event["detail"]) for event in as_json)

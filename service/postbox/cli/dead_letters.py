@@ -21,6 +21,7 @@ from postbox.cli.output import (
     dead_letter_filter,
     emit,
     filter_options,
+    full_option,
     human,
     json_option,
     plain,
@@ -54,12 +55,15 @@ def dlq() -> None:
     type=click.Choice(["open", "replaying", "replayed", "replay_failed", "discarded", "resolved", "any"]),
 )
 @click.option("--limit", default=100, show_default=True, type=click.IntRange(1, 100_000))
+@full_option
 @json_option
 @click.pass_context
-def dlq_list(ctx: click.Context, /, status: str, limit: int, as_json: bool, **kw: Any) -> None:
+def dlq_list(ctx: click.Context, /, status: str, limit: int, full: bool, as_json: bool, **kw: Any) -> None:
     """Dead letters matching the filter, in replay order."""
     with connection(ctx) as conn:
         rows = deadletter.select(conn, dead_letter_filter(kw, status), limit)
+    for row in rows:
+        row["error"] = ": ".join(str(p) for p in (row.get("last_error_type"), row.get("last_error")) if p)
     emit(
         rows,
         [
@@ -72,10 +76,11 @@ def dlq_list(ctx: click.Context, /, status: str, limit: int, as_json: bool, **kw
             "attempt",
             "status",
             "dead_lettered_at",
-            "last_error",
+            "error",
         ],
         as_json,
         "no dead letters match",
+        full,
     )
 
 
@@ -125,10 +130,11 @@ def dlq_show(ctx: click.Context, dead_letter_id: int, as_json: bool) -> None:
 @dlq.command("explain")
 @click.argument("dead_letter_id", type=int, required=False)
 @click.option("--message-id", help="Explain the newest dead letter of this message id.")
+@full_option
 @json_option
 @click.pass_context
 def dlq_explain(
-    ctx: click.Context, dead_letter_id: int | None, message_id: str | None, as_json: bool
+    ctx: click.Context, dead_letter_id: int | None, message_id: str | None, full: bool, as_json: bool
 ) -> None:
     """The whole history of a dead letter: receipt, attempts, decisions, replays."""
     with connection(ctx) as conn:
@@ -141,7 +147,7 @@ def dlq_explain(
         events = deadletter.explain(conn, dead_letter_id)
     if not events:
         raise click.ClickException(f"dead letter {dead_letter_id} does not exist")
-    emit([e.__dict__ for e in events], ["at", "event", "detail"], as_json, "")
+    emit([e.__dict__ for e in events], ["at", "event", "detail"], as_json, "", full)
 
 
 def _closing(action: Callable[..., list[dict[str, Any]]], verb: str) -> Callable[..., None]:

@@ -64,7 +64,8 @@ def plain(value: Any) -> Any:
     return value
 
 
-def human(value: Any) -> str:
+def human(value: Any, full: bool = False) -> str:
+    """A value as a table cell: times and ages short, long text cut at 60 characters unless ``full``."""
     if value is None:
         return "-"
     if isinstance(value, datetime):
@@ -79,21 +80,31 @@ def human(value: Any) -> str:
     if isinstance(value, dict | list):
         return json.dumps(value, ensure_ascii=False)
     text = str(value)
-    return text if len(text) <= 60 else text[:57] + "..."
+    return text if full or len(text) <= 60 else text[:57] + "..."
 
 
-def emit(rows: Sequence[dict[str, Any]], columns: Sequence[str], as_json: bool, empty: str) -> None:
+def emit(
+    rows: Sequence[dict[str, Any]], columns: Sequence[str], as_json: bool, empty: str, full: bool = False
+) -> None:
+    """Rows as a table (cells cut at 60 characters unless ``full``), or as JSON."""
     if as_json:
         click.echo(json.dumps([{k: plain(v) for k, v in r.items()} for r in rows], indent=2, default=str))
         return
     if not rows:
         click.echo(empty)
         return
-    cells = [[human(r.get(c)) for c in columns] for r in rows]
+    cells = [[human(r.get(c), full) for c in columns] for r in rows]
     widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(columns)]
     click.echo("  ".join(c.upper().ljust(w) for c, w in zip(columns, widths, strict=True)).rstrip())
     for row in cells:
         click.echo("  ".join(v.ljust(w) for v, w in zip(row, widths, strict=True)).rstrip())
+
+
+def full_option(func: Callable[..., Any]) -> Callable[..., Any]:
+    """``--full``: long cells (errors, details) whole instead of cut at 60 characters."""
+    return click.option("--full", is_flag=True, help="Show long values whole (not cut at 60 characters).")(
+        func
+    )
 
 
 def filter_options(func: Callable[..., Any]) -> Callable[..., Any]:

@@ -232,9 +232,7 @@ def run_demo(
 ) -> dict[str, str]:
     """Run the scenario; returns each order's final state (for the test that checks the outcome)."""
     started = time.monotonic()
-    _say(
-        "Postbox demo: an order scenario end to end, on real PostgreSQL and real processes\n"
-    )
+    _say("Postbox demo: an order scenario end to end, on real PostgreSQL and real processes\n")
     url, cleanup = _database(base_url, data_dir, database)
     _say(f"· database {database} on {_server_of(url)}, created for this demo: migrating schema postbox")
     migrations.upgrade(url)
