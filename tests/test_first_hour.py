@@ -223,3 +223,17 @@ def test_dead_letter_listings_show_the_error_type_and_explain_shows_details_whol
     assert whole.returncode == 0 and long_value in whole.stdout
     as_json = json.loads(_postbox("--database-url", database.url, "dlq", "explain", "1", "--json").stdout)
     assert any(long_value in str(event["detail"]) for event in as_json)
+
+
+def test_no_metric_uses_a_label_prometheus_keeps_for_the_scrape_target():
+    """A metric labelled `job` or `instance` is renamed `exported_job` on a real scrape, and a rule
+    selecting on it never fires: the maintenance job's name is the label `task`."""
+    from postbox.operations import counters
+
+    collectors = list(counters.REGISTRY._collector_to_names)
+    labelled = {c: set(getattr(c, "_labelnames", ())) for c in collectors}
+    assert any("task" in names for names in labelled.values())
+    assert not [c for c, names in labelled.items() if names & {"job", "instance"}]
+    rules = (REPO / "deploy" / "prometheus" / "alerts.yml").read_text()
+    assert 'postbox_maintenance_last_success_timestamp_seconds{task="dedup_prune"}' in rules
+    assert "$labels.job" not in rules

@@ -145,7 +145,7 @@ def test_two_maintain_processes_run_each_job_once_per_period(database):
 
         def last_successes():
             s = scrape(port)
-            ok = all(value(s, "postbox_maintenance_last_success_timestamp_seconds", job=j) > 0 for j in JOBS)
+            ok = all(value(s, "postbox_maintenance_last_success_timestamp_seconds", task=j) > 0 for j in JOBS)
             return s if ok else None
 
         # Each job's cluster-wide last success, whichever process ran it, is a metric of both.

@@ -165,22 +165,24 @@ BRIDGE_MESSAGES = Counter(
 )
 
 # --- maintenance ------------------------------------------------------------------------------
+# The job's name is the label `task`: `job` is Prometheus's own label (the scrape job), and a
+# target's `job` would be renamed `exported_job` on the way in, so no rule could select on it.
 MAINTENANCE_RUNS = Counter(
     "postbox_maintenance_runs",
-    "Maintenance job runs of this process, by outcome (ok, failed).",
-    ["job", "outcome"],
+    "Maintenance job runs of this process, by job (label task) and outcome (ok, failed).",
+    ["task", "outcome"],
     registry=REGISTRY,
 )
 MAINTENANCE_ROWS = Counter(
     "postbox_maintenance_rows",
-    "Rows deleted, released or repaired by maintenance jobs.",
-    ["job"],
+    "Rows deleted, released or repaired by maintenance jobs (label task).",
+    ["task"],
     registry=REGISTRY,
 )
 MAINTENANCE_LAST_SUCCESS = Gauge(
     "postbox_maintenance_last_success_timestamp_seconds",
-    "When each maintenance job last succeeded in this cluster (Unix time, from postbox.maintenance_runs).",
-    ["job"],
+    "When each maintenance job (label task) last succeeded in this cluster (Unix time, from postbox.maintenance_runs).",
+    ["task"],
     registry=REGISTRY,
 )
 
