@@ -1,5 +1,10 @@
-"""A consumer-level circuit breaker: when most recent attempts fail transiently (a dependency is
-down), stop burning every message's attempts and probe with one message at a time instead.
+"""A consumer-level circuit breaker: when a dependency looks down, stop burning every message's
+attempts and probe with one message at a time instead.
+
+What it counts is an outage signal, not attempts: it opens when most recent attempts failed
+transiently *and* those failures involve many distinct keys. One bad batch retrying over and over
+(a few keys failing again and again) is the retry policy's business and never opens it; permanent
+failures never count as failures at all.
 
 Pure logic with an injected monotonic clock; the worker asks it how many messages to claim.
 State is per worker process: each process trips and recovers on what it sees.
@@ -11,6 +16,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from enum import StrEnum
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -19,7 +25,8 @@ __all__ = ["BreakerSettings", "BreakerState", "CircuitBreaker"]
 
 
 class BreakerSettings(BaseModel):
-    """When to open (share of transient failures in a window) and how often to probe while open."""
+    """When to open (share of transient failures in a window, spread over enough distinct keys) and
+    how often to probe while open."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -27,6 +34,9 @@ class BreakerSettings(BaseModel):
     window_seconds: float = Field(default=30.0, gt=0)
     min_attempts: int = Field(default=20, ge=1, description="attempts in the window before it may open")
     failure_ratio: float = Field(default=0.8, gt=0, le=1)
+    min_keys: int = Field(
+        default=10, ge=1, description="distinct keys among the window's transient failures before it may open"
+    )
     probe_interval: float = Field(default=5.0, gt=0, description="seconds between probes while open")
 
 
@@ -34,6 +44,16 @@ class BreakerState(StrEnum):
     CLOSED = "closed"
     OPEN = "open"
     HALF_OPEN = "half_open"
+
+
+@dataclass(slots=True)
+class _Bucket:
+    """The outcomes of a hundredth of the window."""
+
+    number: int
+    attempts: int = 0
+    failed: int = 0  # transient failures
+    keys: set[str] = field(default_factory=set)  # keys that failed transiently (at most min_keys)
 
 
 class CircuitBreaker:
@@ -46,9 +66,13 @@ class CircuitBreaker:
         self._clock = clock
         self._lock = threading.Lock()
         self._resolution = settings.window_seconds / self._BUCKETS
-        self._buckets: deque[list[int]] = deque()  # [bucket number, attempts, transient failures]
+        self._buckets: deque[_Bucket] = deque()
         self._attempts = 0
         self._failed = 0
+        # Per key, in how many of the window's buckets it failed transiently: its length is the
+        # number of distinct failing keys. A bucket keeps at most min_keys keys (that many in one
+        # bucket is already enough), so memory stays bounded whatever the number of keys.
+        self._failing_keys: dict[str, int] = {}
         self.state = BreakerState.CLOSED
         self._next_probe = 0.0
         self.opened_count = 0
@@ -56,17 +80,47 @@ class CircuitBreaker:
     def _trim(self, now: float) -> None:
         """Drop the buckets whose every outcome is older than the window."""
         horizon = now - self.settings.window_seconds
-        while self._buckets and (self._buckets[0][0] + 1) * self._resolution <= horizon:
-            _, attempts, failed = self._buckets.popleft()
-            self._attempts -= attempts
-            self._failed -= failed
+        while self._buckets and (self._buckets[0].number + 1) * self._resolution <= horizon:
+            old = self._buckets.popleft()
+            self._attempts -= old.attempts
+            self._failed -= old.failed
+            for key in old.keys:
+                left = self._failing_keys[key] - 1
+                if left:
+                    self._failing_keys[key] = left
+                else:
+                    del self._failing_keys[key]
 
     def _clear(self) -> None:
         self._buckets.clear()
         self._attempts = self._failed = 0
+        self._failing_keys.clear()
 
-    def record(self, transient_failure: bool) -> BreakerState:
-        """Record an attempt's outcome; returns the state after it."""
+    def _count(self, now: float, transient_failure: bool, key: str) -> None:
+        number = int(now // self._resolution)
+        if not self._buckets or self._buckets[-1].number != number:
+            self._buckets.append(_Bucket(number))
+        last = self._buckets[-1]
+        last.attempts += 1
+        self._attempts += 1
+        if transient_failure:
+            last.failed += 1
+            self._failed += 1
+            if key not in last.keys and len(last.keys) < self.settings.min_keys:
+                last.keys.add(key)
+                self._failing_keys[key] = self._failing_keys.get(key, 0) + 1
+
+    def _outage(self) -> bool:
+        """Enough attempts, most of them failed transiently, over enough distinct keys."""
+        return (
+            self._attempts >= self.settings.min_attempts
+            and self._failed / self._attempts >= self.settings.failure_ratio
+            and len(self._failing_keys) >= self.settings.min_keys
+        )
+
+    def record(self, transient_failure: bool, key: str) -> BreakerState:
+        """Record an attempt's outcome (``key``: the message's key; a permanent failure is not a
+        transient failure); returns the state after it."""
         if not self.settings.enabled:
             return self.state
         with self._lock:
@@ -78,23 +132,21 @@ class CircuitBreaker:
                     self.state = BreakerState.CLOSED
                     self._clear()
                 return self.state
-            bucket = int(now // self._resolution)
-            if not self._buckets or self._buckets[-1][0] != bucket:
-                self._buckets.append([bucket, 0, 0])
-            last = self._buckets[-1]
-            last[1] += 1
-            self._attempts += 1
-            if transient_failure:
-                last[2] += 1
-                self._failed += 1
+            self._count(now, transient_failure, key)
             self._trim(now)
-            if (
-                self.state is BreakerState.CLOSED
-                and self._attempts >= self.settings.min_attempts
-                and self._failed / self._attempts >= self.settings.failure_ratio
-            ):
+            if self.state is BreakerState.CLOSED and self._outage():
                 self._open(now)
             return self.state
+
+    def describe(self) -> str:
+        """What the window holds, for the log line of a change of state."""
+        with self._lock:
+            keys = len(self._failing_keys)
+            many = " or more" if keys >= self.settings.min_keys else ""
+            return (
+                f"{self._failed} of {self._attempts} attempts in the last {self.settings.window_seconds:g} s "
+                f"failed transiently, across {keys}{many} keys"
+            )
 
     def _open(self, now: float) -> None:
         self.state = BreakerState.OPEN

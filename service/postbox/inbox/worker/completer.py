@@ -66,13 +66,22 @@ class Completer(SlotBase):
         failures = [*batch.failures, self._failure(culprit, error)]
         self._finish(done, failures, give_back)
 
-    def _breaker_record(self, transient_failure: bool) -> None:
-        before = self.worker.breaker.state
-        after = self.worker.breaker.record(transient_failure)
+    def _breaker_record(self, transient_failure: bool, key: str) -> None:
+        breaker = self.worker.breaker
+        before = breaker.state
+        after = breaker.record(transient_failure, key)
         if after is not before:
             metrics.record_breaker(self.settings.consumer, after.value)
             level = logging.WARNING if after is BreakerState.OPEN else logging.INFO
-            log.log(level, "circuit %s for consumer %s", after.value, self.settings.consumer)
+            why = f": {breaker.describe()}" if after is BreakerState.OPEN else ""
+            log.log(
+                level,
+                "circuit %s for consumer %s%s",
+                after.value,
+                self.settings.consumer,
+                why,
+                extra={"event": f"breaker_{after.value}", "consumer": self.settings.consumer},
+            )
             self.worker._emit(f"breaker_{after.value}", consumer=self.settings.consumer)
 
     def _policy(self, message: Message) -> RetryPolicy:

@@ -104,11 +104,11 @@ class Slot(ClaimLoop, Executor, Completer):
         self._durations[message.id] = duration_ms
         if error is None:
             batch.done.append(message)
-            self._breaker_record(False)
+            self._breaker_record(False, message.key)
             return
         savepoints.roll_back(self.conn, message)
         failure = self._failure(message, error, duration_ms)
-        self._breaker_record(failure.classification.kind is FailureKind.TRANSIENT)
+        self._breaker_record(failure.classification.kind is FailureKind.TRANSIENT, message.key)
         batch.failures.append(failure)
 
     def abandon(self, shutdown: WorkerShutdown | None, *, died: bool = False) -> Inheritance | None:
