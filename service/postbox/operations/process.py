@@ -78,7 +78,8 @@ class ProcessSpec:
 
     ``what`` names it in messages; ``stop_message`` is printed on the first signal (``aborting`` on
     the second); ``before_start`` runs once the database answers (declarations, checks);
-    ``serve`` starts the metrics and readiness endpoint with the service's ``ready``;
+    ``serve`` starts the metrics and readiness endpoint before the database is awaited, with a
+    readiness check (the service's ``ready`` once it runs; ``reason()`` says why not);
     ``check_schema`` returns a warning to print, or raises :class:`StartupFailed`."""
 
     what: str
@@ -138,22 +139,47 @@ def await_database(spec: ProcessSpec, stopping: threading.Event) -> bool:
     return True
 
 
+class _Readiness:
+    """What ``/readyz`` asks: false until the service runs (the database reached, ``before_start``
+    done), then the service's own ``ready()``; ``reason()`` says why not."""
+
+    def __init__(self, service: Service) -> None:
+        self.service = service
+        self.phase = "waiting for the database"
+
+    def __call__(self) -> bool:
+        return self.phase == "running" and bool(self.service.ready())
+
+    def reason(self) -> str:
+        if self.phase != "running":
+            return self.phase
+        if self.service.fatal is not None:
+            return f"failed: {self.service.fatal}"
+        if self.service.stopping:
+            return "stopping"
+        return "the service reports not ready (its heartbeat is late, or none of its loops runs)"
+
+
 def run_process(service: Service, spec: ProcessSpec) -> int:
     """Run ``service`` as this process until a signal stops it; the exit status.
 
-    Waits for the database (``connect_timeout``; a signal meanwhile exits 0), runs ``before_start``,
-    serves metrics, starts the service, waits until it stops (a signal, or a fatal condition),
-    joins it within ``grace`` (at once after a second signal). A fatal service exits
-    :data:`EXIT_FATAL`; handler threads still stuck in user code are not waited for."""
+    Serves metrics (``/readyz`` 503 until the service runs), waits for the database
+    (``connect_timeout``; a signal meanwhile exits 0), runs ``before_start``, starts the service,
+    waits until it stops (a signal, or a fatal condition), joins it within ``grace`` (at once after
+    a second signal). A fatal service exits :data:`EXIT_FATAL`; handler threads still stuck in
+    user code are not waited for."""
     with _Signals(service, spec) as signals:
+        readiness = _Readiness(service)
+        if spec.serve is not None:
+            spec.serve(readiness)  # /readyz says 503 and why until the service runs
         if not await_database(spec, signals.event):
             spec.say(f"{spec.what} stopped while waiting for the database")
             return 0
+        readiness.phase = "starting"
         if spec.before_start is not None:
             spec.before_start()
-        if spec.serve is not None:
-            spec.serve(service.ready)
         service.start()
+        readiness.phase = "running"
         try:
             while not service.stopping and service.fatal is None:
                 signals.event.wait(0.5)
