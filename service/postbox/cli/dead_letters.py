@@ -20,12 +20,13 @@ from postbox.cli.output import (
     connection,
     dead_letter_filter,
     emit,
+    emit_json,
     filter_options,
     full_option,
     human,
     json_option,
-    plain,
     reason_option,
+    record,
     require_selection,
 )
 from postbox.cli.replay import report, run_in_foreground
@@ -110,14 +111,9 @@ def dlq_show(ctx: click.Context, dead_letter_id: int, as_json: bool) -> None:
     if row is None:
         raise click.ClickException(f"dead letter {dead_letter_id} does not exist")
     if as_json:
-        click.echo(json.dumps({k: plain(v) for k, v in row.items()}, indent=2, default=str))
+        emit_json(row)
         return
-    for name, value in row.items():
-        if name in ("edits", "last_traceback"):
-            continue
-        click.echo(
-            f"{name:>18}  {json.dumps(value, ensure_ascii=False) if isinstance(value, dict | list) else plain(value)}"
-        )
+    record(row, skip=("edits", "last_traceback"))
     if row.get("last_traceback"):
         click.echo("\n" + str(row["last_traceback"]).rstrip())
     for e in row["edits"]:
@@ -136,7 +132,8 @@ def dlq_show(ctx: click.Context, dead_letter_id: int, as_json: bool) -> None:
 def dlq_explain(
     ctx: click.Context, dead_letter_id: int | None, message_id: str | None, full: bool, as_json: bool
 ) -> None:
-    """The whole history of a dead letter: receipt, attempts, decisions, replays."""
+    """The whole history of a dead letter: receipt, attempts, decisions, replays (details whole and
+    wrapped on a terminal; cut at 60 characters when piped, unless --full)."""
     with connection(ctx) as conn:
         if dead_letter_id is None:
             if not message_id:
@@ -147,7 +144,7 @@ def dlq_explain(
         events = deadletter.explain(conn, dead_letter_id)
     if not events:
         raise click.ClickException(f"dead letter {dead_letter_id} does not exist")
-    emit([e.__dict__ for e in events], ["at", "event", "detail"], as_json, "", full)
+    emit([e.__dict__ for e in events], ["at", "event", "detail"], as_json, "", full, wrap=True)
 
 
 def _closing(action: Callable[..., list[dict[str, Any]]], verb: str) -> Callable[..., None]:
@@ -165,7 +162,7 @@ def _closing(action: Callable[..., list[dict[str, Any]]], verb: str) -> Callable
         with connection(ctx) as conn:
             rows = action(conn, flt, reason, actor)
         if as_json:
-            emit(rows, [], True, "")
+            emit_json(rows)
         else:
             for r in rows:
                 click.echo(f"dead letter {r['dead_letter_id']} {verb}: {r['action']}")
@@ -294,8 +291,7 @@ def dlq_replay(
     job = run_in_foreground(ctx, job_id, as_json)
     if dry_run and not as_json:
         with connection(ctx) as conn:
-            for item in replay.items(conn, job_id):
-                click.echo(f"  dead letter {item['dead_letter_id']}: {item['action']}")
+            emit(replay.items(conn, job_id), ["dead_letter_id", "action"], False, "", full=True)
     if job.state in ("aborted", "cancelled"):
         sys.exit(1)
 

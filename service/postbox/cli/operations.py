@@ -19,6 +19,9 @@ import psycopg
 
 from postbox.cli import context as cli_context
 from postbox.cli.context import connect_timeout_option, run_service, wait_for_database
+from postbox.cli.output import emit, json_option
+from postbox.cli.progress import progress_bar
+from postbox.cli.status_view import show_status
 from postbox.config.settings import load_settings, mask_secrets, mask_text, mask_url
 from postbox.errors import ConfigError
 from postbox.operations.logs import configure_logging
@@ -101,6 +104,7 @@ _url = cli_context.database_url
 @click.option("--once", is_flag=True, help="Run each due job once, then exit (for cron).")
 @click.option("--stale-after", default=30.0, show_default=True, type=click.FloatRange(min=0.02))
 @connect_timeout_option
+@json_option
 @click.pass_context
 def maintain(
     ctx: click.Context,
@@ -109,6 +113,7 @@ def maintain(
     once: bool,
     stale_after: float,
     connect_timeout: float | None,
+    as_json: bool,
 ) -> None:
     """Run the maintenance jobs (retention, dedup pruning, stale workers, key repairs, gap timeouts)
     on their schedule until SIGTERM/SIGINT. Safe to run in several processes: each job runs once
@@ -134,11 +139,22 @@ def maintain(
     except ValueError as error:
         raise click.BadParameter(str(error), param_hint="--job") from None
     if not once:
+        if as_json:
+            raise click.UsageError("--json goes with --once")
         run_service(ctx, m, "maintenance", url, connect_timeout, stop_message="maintenance stopping")
         return
     wait_for_database(ctx, "maintenance", url, connect_timeout)
-    for job, did in m.run_once().items():
-        click.echo(f"{job}: {'ran' if did else 'not due (or running elsewhere)'}")
+    m.register()
+    rows = []
+    with progress_bar("maintenance", total=len(m.jobs), enabled=not as_json) as bar:
+        for job in m.jobs:  # what Maintenance.run_once does, a job at a time for the bar
+            bar.update(detail=job)
+            did = m.run_due(job)
+            rows.append(
+                {"job": job, "ran": did, "result": "ran" if did else "not due (or running elsewhere)"}
+            )
+            bar.advance()
+    emit(rows, ["job", "result"], as_json, "no jobs")
 
 
 # --- postbox status ---------------------------------------------------------------------------
@@ -147,23 +163,25 @@ def maintain(
 @click.command()
 @click.option("--watch", is_flag=True, help="Refresh every --interval seconds until interrupted.")
 @click.option("--interval", default=2.0, show_default=True, type=click.FloatRange(min=0.1))
-@click.option("--json", "as_json", is_flag=True, help="Print the status as JSON.")
+@click.option(
+    "--json", "as_json", is_flag=True, help="Print the status as JSON (one object a line with --watch)."
+)
 @click.pass_context
 def status(ctx: click.Context, watch: bool, interval: float, as_json: bool) -> None:
     """Consumers, live workers, lag, retries in flight, blocked keys, dead letters, relay backlog
     and running replays, at a glance."""
-    from postbox.operations.status import collect_status, render_status
+    from postbox.operations.status import collect_status
 
     url = _url(ctx)
     with psycopg.connect(url, connect_timeout=10, application_name="postbox-status") as conn:
         while True:
-            data = collect_status(conn)
+            data = mask_secrets(collect_status(conn))
             if as_json:
-                click.echo(json.dumps(mask_secrets(data), default=str))
+                click.echo(json.dumps(data, default=str))
             else:
                 if watch and sys.stdout.isatty():
                     click.clear()
-                click.echo(mask_text(render_status(data)), nl=False)
+                show_status(data)
             if not watch:
                 return
             try:

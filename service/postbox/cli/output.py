@@ -1,5 +1,6 @@
 """What the operator commands share: a connection with clean errors, tables for people and JSON for
-scripts, the dead-letter filter options, and the ``--reason``/``--actor``/``--json`` options."""
+scripts (every listing goes through :func:`emit`), the dead-letter filter options, and the
+``--reason``/``--actor``/``--json``/``--full`` options."""
 
 from __future__ import annotations
 
@@ -14,22 +15,31 @@ from typing import Any
 
 import click
 import psycopg
+from rich import box
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
 
 from postbox.cli.context import database_url
 from postbox.deadletters.ops import DeadLetterFilter
 from postbox.errors import InvalidRequest
 
 __all__ = [
+    "Columns",
     "actor_option",
     "connection",
     "dead_letter_filter",
     "emit",
+    "emit_json",
     "filter_options",
     "human",
     "json_option",
     "plain",
     "reason_option",
+    "record",
     "require_selection",
+    "table",
+    "terminal",
 ]
 
 
@@ -71,33 +81,172 @@ def human(value: Any, full: bool = False) -> str:
     if isinstance(value, datetime):
         return value.strftime("%Y-%m-%d %H:%M:%S")
     if isinstance(value, timedelta):
-        seconds = int(value.total_seconds())
-        if seconds >= 86_400:
-            return f"{seconds // 86_400}d{(seconds % 86_400) // 3600}h"
-        if seconds >= 3600:
-            return f"{seconds // 3600}h{(seconds % 3600) // 60}m"
-        return f"{seconds // 60}m{seconds % 60}s" if seconds >= 60 else f"{seconds}s"
+        return _age(value.total_seconds())
+    if isinstance(value, bool):
+        return "yes" if value else "no"
     if isinstance(value, dict | list):
         return json.dumps(value, ensure_ascii=False)
     text = str(value)
     return text if full or len(text) <= 60 else text[:57] + "..."
 
 
-def emit(
-    rows: Sequence[dict[str, Any]], columns: Sequence[str], as_json: bool, empty: str, full: bool = False
+def _age(seconds: float) -> str:
+    if seconds < 10:
+        return f"{max(seconds, 0):.1f}s"
+    whole = int(seconds)
+    if whole >= 86_400:
+        return f"{whole // 86_400}d{(whole % 86_400) // 3600}h"
+    if whole >= 3600:
+        return f"{whole // 3600}h{(whole % 3600) // 60}m"
+    return f"{whole // 60}m{whole % 60}s" if whole >= 60 else f"{whole}s"
+
+
+# --- the one table style: rich on a terminal, plain aligned text otherwise ----------------------
+
+Columns = Sequence[str | tuple[str, str]]
+"""Table columns: a row key (its header is the key in upper case, ``_`` as spaces), or (key, header)."""
+
+
+def terminal(stderr: bool = False) -> Console | None:
+    """A rich console when the stream is a terminal, ``None`` for plain text (a pipe, a file,
+    ``TERM=dumb``). Rich's conventions decide: ``FORCE_COLOR`` or ``TTY_COMPATIBLE=1`` make any
+    stream a terminal, ``TTY_COMPATIBLE=0`` none; ``NO_COLOR`` keeps the tables but writes no
+    escape code at all; ``COLUMNS`` sets the width."""
+    console = Console(stderr=stderr, highlight=False)
+    if not console.is_terminal or console.is_dumb_terminal:
+        return None
+    if console.no_color:
+        return Console(stderr=stderr, highlight=False, color_system=None)
+    return console
+
+
+_STATES = {
+    "HALTED": "bold red", "aborted": "bold red", "replay_failed": "bold red", "cancelled": "red",
+    "open": "yellow", "paused": "yellow", "pending": "yellow", "running": "cyan", "replaying": "cyan",
+    "ok": "green", "done": "green", "ran": "green", "replayed": "green", "resolved": "green",
+    "discarded": "dim",
+}  # fmt: skip
+_ALARMS = {"failed": "bold red", "open": "bold red", "blocked_keys": "yellow", "held_messages": "yellow",
+           "blocked": "yellow", "retrying": "yellow", "attempt": "yellow"}  # fmt: skip
+_ERRORS = {"error", "latest_error", "last_error", "state_reason", "fingerprint"}
+
+
+def _style(key: str, value: Any, row: dict[str, Any]) -> str:
+    """How a cell is highlighted: states by their meaning, failures and dead letters in red, counts
+    that need attention in yellow, missing values dim."""
+    if value is None or value == "":
+        return "dim"
+    if key in ("state", "status", "result") and isinstance(value, str):
+        return _STATES.get(value.split(" ", 1)[0], "")
+    if key in _ALARMS and isinstance(value, int) and not isinstance(value, bool) and value > 0:
+        return "" if key == "attempt" and value <= 1 else _ALARMS[key]
+    if key in _ERRORS:
+        return "red"
+    if key == "reason" and "status" in row:  # a dead letter's cause
+        return "yellow"
+    if key == "event" and isinstance(value, str):
+        if value.startswith("dead-lettered") or "failed" in value:
+            return "red"
+        return "cyan" if value.startswith("replay") else ""
+    return ""
+
+
+def _columns(columns: Columns) -> list[tuple[str, str]]:
+    return [(c, c.replace("_", " ").upper()) if isinstance(c, str) else c for c in columns]
+
+
+def table(
+    rows: Sequence[dict[str, Any]],
+    columns: Columns,
+    *,
+    empty: str = "",
+    full: bool = False,
+    wrap: bool = False,
+    title: str | None = None,
 ) -> None:
-    """Rows as a table (cells cut at 60 characters unless ``full``), or as JSON."""
-    if as_json:
-        click.echo(json.dumps([{k: plain(v) for k, v in r.items()} for r in rows], indent=2, default=str))
+    """Rows as a table on stdout: a rich table with colour on a terminal, plain aligned text
+    (same headers, no escape codes) otherwise; ``empty`` when there are no rows. Under a
+    ``title``, the plain table is indented."""
+    cols = _columns(columns)
+    console = terminal()
+    if console is None:
+        _plain_table(rows, cols, empty, full, title)
         return
     if not rows:
-        click.echo(empty)
+        if title:
+            console.print(Text(title, style="bold"))
+        if empty:
+            console.print(Text(f"  {empty}" if title else empty, style="dim"))
         return
-    cells = [[human(r.get(c), full) for c in columns] for r in rows]
-    widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(columns)]
-    click.echo("  ".join(c.upper().ljust(w) for c, w in zip(columns, widths, strict=True)).rstrip())
-    for row in cells:
-        click.echo("  ".join(v.ljust(w) for v, w in zip(row, widths, strict=True)).rstrip())
+    grid = Table(box=box.ROUNDED, header_style="bold", title=title, title_justify="left", title_style="bold")
+    for _, header in cols:
+        grid.add_column(header, overflow="fold")
+    for r in rows:
+        grid.add_row(
+            *(Text(human(r.get(k), full or wrap), style=_style(k, r.get(k), r)) for k, _ in cols),
+            style="red" if r.get("halted") is True else None,
+        )
+    console.print(grid)
+
+
+def _plain_table(
+    rows: Sequence[dict[str, Any]], cols: list[tuple[str, str]], empty: str, full: bool, title: str | None
+) -> None:
+    indent = "  " if title else ""
+    if title:
+        click.echo(title)
+    if not rows:
+        if empty:
+            click.echo(indent + empty)
+        return
+    cells = [[human(r.get(k), full) for k, _ in cols] for r in rows]
+    headers = [h for _, h in cols]
+    widths = [max(len(h), *(len(row[i]) for row in cells)) for i, h in enumerate(headers)]
+    for line in (headers, *cells):
+        click.echo(indent + "  ".join(v.ljust(w) for v, w in zip(line, widths, strict=True)).rstrip())
+
+
+def record(row: dict[str, Any], skip: Sequence[str] = ()) -> None:
+    """One item's fields, one a line (``name  value``): a two-column table on a terminal."""
+    items = [(k, v) for k, v in row.items() if k not in skip]
+    console = terminal()
+    if console is None:
+        for name, value in items:
+            shown = json.dumps(value, ensure_ascii=False) if isinstance(value, dict | list) else plain(value)
+            click.echo(f"{name:>18}  {shown}")
+        return
+    grid = Table(box=box.ROUNDED, header_style="bold")
+    grid.add_column("FIELD", style="bold", no_wrap=True)
+    grid.add_column("VALUE", overflow="fold")
+    for name, value in items:
+        grid.add_row(name, Text(human(value, full=True), style=_style(name, value, row)))
+    console.print(grid)
+
+
+def emit_json(value: Any, indent: int | None = 2) -> None:
+    """``value`` (rows, or one row) as JSON on stdout: datetimes ISO-8601, no colour."""
+    if isinstance(value, list):
+        value = [{k: plain(v) for k, v in r.items()} if isinstance(r, dict) else plain(r) for r in value]
+    elif isinstance(value, dict):
+        value = {k: plain(v) for k, v in value.items()}
+    click.echo(json.dumps(value, indent=indent, default=str, ensure_ascii=False))
+
+
+def emit(
+    rows: Sequence[dict[str, Any]],
+    columns: Columns,
+    as_json: bool,
+    empty: str,
+    full: bool = False,
+    *,
+    wrap: bool = False,
+) -> None:
+    """Rows as JSON, or as the one table style (see :func:`table`): cells cut at 60 characters
+    unless ``full``; ``wrap``: whole (and wrapped) on a terminal."""
+    if as_json:
+        emit_json(list(rows))
+        return
+    table(rows, columns, empty=empty, full=full, wrap=wrap)
 
 
 def full_option(func: Callable[..., Any]) -> Callable[..., Any]:
@@ -160,4 +309,6 @@ actor_option = click.option(
     help="Who you are, for the audit trail.",
 )
 reason_option = click.option("--reason", required=True, help="Why (recorded in the audit trail).")
-json_option = click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+json_option = click.option(
+    "--json", "as_json", is_flag=True, help="Machine-readable output: JSON on stdout, nothing else."
+)

@@ -3,21 +3,22 @@
 
 from __future__ import annotations
 
-import json
 import os
 import signal
-import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
 
 import click
 
 from postbox.cli.context import connect_timeout_option, database_url, run_service
-from postbox.cli.output import actor_option, connection, emit, json_option, plain, reason_option
+from postbox.cli.output import actor_option, connection, emit, emit_json, json_option, reason_option
+from postbox.cli.progress import progress_bar
 from postbox.deadletters import replay
 from postbox.deadletters.replay import ReplayJob, ReplayRunner
 
-__all__ = ["replay_group", "report", "run_in_foreground"]
+__all__ = ["replay_group", "report", "run_in_foreground", "watching"]
 
 
 def progress_line(job: ReplayJob) -> str:
@@ -31,36 +32,52 @@ def progress_line(job: ReplayJob) -> str:
     )
 
 
-def report(job: ReplayJob, as_json: bool) -> None:
+def report(job: ReplayJob, as_json: bool, items: list[dict[str, Any]] | None = None) -> None:
+    """One job: an object in JSON on one line (with its ``items`` if given), its progress line
+    otherwise."""
     if as_json:
-        click.echo(json.dumps({k: plain(v) for k, v in job.__dict__.items()}, default=str))
-    else:
-        click.echo(progress_line(job) + (f": {job.state_reason}" if job.state_reason else ""))
+        emit_json(job.__dict__ if items is None else {**job.__dict__, "items": items}, indent=None)
+        return
+    click.echo(progress_line(job) + (f": {job.state_reason}" if job.state_reason else ""))
+    if items is not None:
+        emit(items, ["ordinal", "dead_letter_id", "state", "action"], False, "", full=True)
+
+
+@contextmanager
+def watching(job_id: int, as_json: bool) -> Iterator[Callable[[ReplayJob], None]]:
+    """Show a job's progress as it goes: a bar on a terminal; when stderr is not one, a line to
+    stderr each time it changes (none with --json)."""
+    last = [""]
+    with progress_bar(f"replay job {job_id}", enabled=not as_json) as bar:
+
+        def show(job: ReplayJob) -> None:
+            line = progress_line(job)
+            if bar.live:
+                bar.update(
+                    total=job.total,
+                    completed=job.succeeded + job.failed + job.skipped,
+                    detail=f"sent {job.replayed}, ok {job.succeeded}, failed {job.failed}, "
+                    f"skipped {job.skipped}, in flight {job.in_flight} - {job.state}",
+                )
+            elif line != last[0] and not as_json:
+                click.echo(line, err=True)
+            last[0] = line
+
+        yield show
 
 
 def run_in_foreground(ctx: click.Context, job_id: int, as_json: bool) -> ReplayJob:
     runner = ReplayRunner(database_url(ctx), runner_id=f"cli-{os.getpid()}")
-    tty = sys.stderr.isatty() and not as_json
-    last = [""]
-
-    def progress(job: ReplayJob) -> None:
-        line = progress_line(job)
-        if tty:
-            click.echo("\r" + line.ljust(len(last[0])), nl=False, err=True)
-        elif line != last[0] and not as_json:
-            click.echo(line, err=True)
-        last[0] = line
 
     def on_signal(signum: int, frame: object) -> None:
         runner.stop()
 
     previous = signal.signal(signal.SIGINT, on_signal)
     try:
-        job = runner.run_job(job_id, progress)
+        with watching(job_id, as_json) as show:
+            job = runner.run_job(job_id, show)
     finally:
         signal.signal(signal.SIGINT, previous)
-    if tty:
-        click.echo("", err=True)
     if not job.finished:
         click.echo(
             f"stopped watching; job {job_id} is {job.state} and goes on when a runner steps it "
@@ -112,13 +129,14 @@ def replay_status(
             )
             return
         job = replay.get(conn, job_id)
-        while watch and not job.finished:
-            click.echo(progress_line(job), err=True)
-            time.sleep(1.0)
-            job = replay.get(conn, job_id)
-        report(job, as_json)
-        if show_items:
-            emit(replay.items(conn, job_id), ["ordinal", "dead_letter_id", "state", "action"], as_json, "")
+        if watch and not job.finished:
+            with watching(job_id, as_json) as show:
+                while not job.finished:
+                    show(job)
+                    time.sleep(1.0)  # a refresh period for a human, not synchronisation
+                    job = replay.get(conn, job_id)
+                show(job)
+        report(job, as_json, replay.items(conn, job_id) if show_items else None)
 
 
 @replay_group.command("run")

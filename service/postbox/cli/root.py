@@ -15,6 +15,7 @@ from postbox.cli.consumers import consumer
 from postbox.cli.dead_letters import dlq
 from postbox.cli.keys import keys
 from postbox.cli.operations import observability_options, register_ops_commands, setup_observability
+from postbox.cli.progress import alembic_steps, progress_bar
 from postbox.cli.replay import replay_group
 from postbox.cli.services import bridge, relay, worker
 from postbox.config.settings import mask_text, mask_url
@@ -86,11 +87,23 @@ def migrate(ctx: click.Context, as_sql: bool, revision: str, check: bool, start:
             f"postbox: {mask_url(url)} is up to date (revision {migrations.current_revision(url)})", err=True
         )
         return
-    try:
-        migrations.upgrade(url, revision)
-    except FrozenRevisionChanged as error:
-        raise click.ClickException(str(error)) from None
+    with progress_bar("migrate") as bar:
+        if bar.live:
+            bar.update(total=_pending(url, revision, known))
+        try:
+            with alembic_steps(bar):
+                migrations.upgrade(url, revision)
+        except FrozenRevisionChanged as error:
+            raise click.ClickException(str(error)) from None
     click.echo(f"postbox: {mask_url(url)} is at revision {migrations.current_revision(url)}", err=True)
+
+
+def _pending(url: str, revision: str, known: list[str]) -> int:
+    """How many revisions an upgrade to ``revision`` applies (for the progress bar)."""
+    current = migrations.current_revision(url)
+    start = known.index(current) + 1 if current in known else 0
+    end = len(known) if revision == "head" else known.index(revision) + 1 if revision in known else 0
+    return max(end - start, 0)
 
 
 @cli.command()
