@@ -16,6 +16,7 @@ from postbox.db import AnyAsyncConnection, AnySyncConnection
 from postbox.db.connector import first
 from postbox.limits import Large, run_checked, run_checked_async
 from postbox.messages import INBOX_DEFAULTS, InboxMessage, ReceiveResult, ReceiveStatus, batch_items, checked
+from postbox.operations import tracing
 from postbox.values import to_sql_json
 
 __all__ = ["receive", "receive_async", "receive_many", "receive_many_async"]
@@ -85,19 +86,22 @@ def _batch_large(items: list[dict[str, Any]], name: str, params: dict[str, Any])
     return found
 
 
-def _batch(
-    messages: Iterable[InboxMessage | dict[str, Any]],
-) -> tuple[str, dict[str, Any], list[Large]] | None:
-    """A checked batch's query, bind parameters and what to check against the limits; None if empty."""
-    items = batch_items(InboxMessage, messages)
-    if not items:
-        return None
+def _batch(items: list[dict[str, Any]]) -> tuple[str, dict[str, Any], list[Large]]:
+    """A checked batch's query, bind parameters and what to check against the limits."""
     name, params = _batch_call(items)
     return name, params, _batch_large(items, name, params)
 
 
-def _one(message: InboxMessage | None, fields: dict[str, Any]) -> tuple[dict[str, Any], list[Large]]:
-    params = checked(InboxMessage, message, fields).params()
+def _one(message: InboxMessage | None, fields: dict[str, Any]) -> list[dict[str, Any]]:
+    """The checked message, as the one item of a batch (its span may add a ``traceparent``)."""
+    return [checked(InboxMessage, message, fields).batch_item()]
+
+
+def _params(items: list[dict[str, Any]]) -> tuple[dict[str, Any], list[Large]]:
+    """The single-message query's bind parameters (payload and headers as JSON text) and what to
+    check against the limits."""
+    (item,) = items
+    params = item | {"payload": to_sql_json(item["payload"]), "headers": to_sql_json(item["headers"])}
     return params, limits.large_params(params)
 
 
@@ -134,27 +138,35 @@ def receive(conn: AnySyncConnection, message: InboxMessage | None = None, /, **f
     ``postbox.limits.CHECKED_ABOVE_BYTES``), which the server refuses, aborting the caller's
     transaction.
     """
-    return _receive_result(first(run_checked(conn, "inbox_receive", *_one(message, fields))))
+    with tracing.producing("send", _one(message, fields), "consumer") as items:
+        return _receive_result(first(run_checked(conn, "inbox_receive", *_params(items))))
 
 
 def receive_many(
     conn: AnySyncConnection, messages: Iterable[InboxMessage | dict[str, Any]]
 ) -> list[ReceiveResult]:
     """Receive several messages in one round trip; results are in the same order."""
-    batch = _batch(messages)
-    return [] if batch is None else _receive_results(run_checked(conn, *batch))
+    items = batch_items(InboxMessage, messages)
+    if not items:
+        return []
+    with tracing.producing("send", items, "consumer") as items:
+        return _receive_results(run_checked(conn, *_batch(items)))
 
 
 async def receive_async(
     conn: AnyAsyncConnection, message: InboxMessage | None = None, /, **fields: Any
 ) -> ReceiveResult:
     """:func:`receive` for psycopg ``AsyncConnection`` and SQLAlchemy async sessions/connections."""
-    return _receive_result(first(await run_checked_async(conn, "inbox_receive", *_one(message, fields))))
+    with tracing.producing("send", _one(message, fields), "consumer") as items:
+        return _receive_result(first(await run_checked_async(conn, "inbox_receive", *_params(items))))
 
 
 async def receive_many_async(
     conn: AnyAsyncConnection, messages: Iterable[InboxMessage | dict[str, Any]]
 ) -> list[ReceiveResult]:
     """:func:`receive_many` for async connections."""
-    batch = _batch(messages)
-    return [] if batch is None else _receive_results(await run_checked_async(conn, *batch))
+    items = batch_items(InboxMessage, messages)
+    if not items:
+        return []
+    with tracing.producing("send", items, "consumer") as items:
+        return _receive_results(await run_checked_async(conn, *_batch(items)))

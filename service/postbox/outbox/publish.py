@@ -15,25 +15,29 @@ from postbox.db import AnyAsyncConnection, AnySyncConnection
 from postbox.db.connector import first
 from postbox.limits import Large, run_checked, run_checked_async
 from postbox.messages import OutboxMessage, batch_items, checked
+from postbox.operations import tracing
 from postbox.values import to_sql_json
 
 __all__ = ["publish", "publish_async", "publish_many", "publish_many_async"]
 
 
-def _one(message: OutboxMessage | None, fields: dict[str, Any]) -> tuple[dict[str, Any], list[Large]]:
-    params = checked(OutboxMessage, message, fields).params()
+def _one(message: OutboxMessage | None, fields: dict[str, Any]) -> list[dict[str, Any]]:
+    """The checked event, as the one item of a batch (its span may add a ``traceparent``)."""
+    return [checked(OutboxMessage, message, fields).batch_item()]
+
+
+def _params(items: list[dict[str, Any]]) -> tuple[dict[str, Any], list[Large]]:
+    """The single-event query's bind parameters (payload and headers as JSON text) and what to
+    check against the limits."""
+    (item,) = items
+    params = item | {"payload": to_sql_json(item["payload"]), "headers": to_sql_json(item["headers"])}
     return params, limits.large_params(params)
 
 
-def _batch(
-    messages: Iterable[OutboxMessage | dict[str, Any]],
-) -> tuple[str, dict[str, Any], list[Large]] | None:
+def _batch(items: list[dict[str, Any]]) -> tuple[str, dict[str, Any], list[Large]]:
     """A checked batch's query, its bind parameters (the JSON array the batch function takes) and
     what to check against the limits (each payload and headers, measured only if the whole array is
-    long); None if empty."""
-    items = batch_items(OutboxMessage, messages)
-    if not items:
-        return None
+    long)."""
     text = to_sql_json(items)
     found: list[Large] = []
     if limits.large("messages", limits.PAYLOAD, text, []):
@@ -48,25 +52,33 @@ def publish(conn: AnySyncConnection, message: OutboxMessage | None = None, /, **
     Fields: ``destination``, ``payload``, ``key``, ``type``, ``message_id`` (default: a UUID),
     ``headers``, ``correlation_id``, ``causation_id``.
     """
-    return int(first(run_checked(conn, "outbox_publish", *_one(message, fields)))[0])
+    with tracing.producing("publish", _one(message, fields), "destination") as items:
+        return int(first(run_checked(conn, "outbox_publish", *_params(items)))[0])
 
 
 def publish_many(conn: AnySyncConnection, messages: Iterable[OutboxMessage | dict[str, Any]]) -> list[int]:
     """Write several outbox events in one round trip; ids in the same order."""
-    batch = _batch(messages)
-    return [] if batch is None else [int(r[1]) for r in run_checked(conn, *batch)]
+    items = batch_items(OutboxMessage, messages)
+    if not items:
+        return []
+    with tracing.producing("publish", items, "destination") as items:
+        return [int(r[1]) for r in run_checked(conn, *_batch(items))]
 
 
 async def publish_async(
     conn: AnyAsyncConnection, message: OutboxMessage | None = None, /, **fields: Any
 ) -> int:
     """:func:`publish` for async connections."""
-    return int(first(await run_checked_async(conn, "outbox_publish", *_one(message, fields)))[0])
+    with tracing.producing("publish", _one(message, fields), "destination") as items:
+        return int(first(await run_checked_async(conn, "outbox_publish", *_params(items)))[0])
 
 
 async def publish_many_async(
     conn: AnyAsyncConnection, messages: Iterable[OutboxMessage | dict[str, Any]]
 ) -> list[int]:
     """:func:`publish_many` for async connections."""
-    batch = _batch(messages)
-    return [] if batch is None else [int(r[1]) for r in await run_checked_async(conn, *batch)]
+    items = batch_items(OutboxMessage, messages)
+    if not items:
+        return []
+    with tracing.producing("publish", items, "destination") as items:
+        return [int(r[1]) for r in await run_checked_async(conn, *_batch(items))]

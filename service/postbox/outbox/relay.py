@@ -32,7 +32,7 @@ from postbox.db import query
 from postbox.db.connector import run
 from postbox.failures.classify import Classifier, fingerprint
 from postbox.failures.policy import DeadLetter, RetryAt, RetryPolicy, decide
-from postbox.operations import metrics
+from postbox.operations import metrics, tracing
 from postbox.operations.lifecycle import Embeddable, claim, connect_with_backoff, helper_threads
 from postbox.operations.runtime import Presence, Wakeup, process_id
 from postbox.operations.tracing import trace_id
@@ -260,6 +260,10 @@ class _Loop:
             log.warning("relay could not give back its batch: %s", error)
 
     def _relay(self, rows: list[OutboxRow]) -> None:
+        with tracing.relaying(self.transport, self.destination, rows) as span:
+            self._relay_batch(rows, span)
+
+    def _relay_batch(self, rows: list[OutboxRow], span: tracing.SpanHandle) -> None:
         assert self.conn is not None
         started = time.monotonic()
         try:
@@ -289,13 +293,18 @@ class _Loop:
                 log.warning("relay claims lost for %s", lost[0][0])
         for row, error in zip(rows, results, strict=True):
             if error is not None:
-                self._record_failure(row, error, now, duration_ms)
+                self._record_failure(row, error, now, duration_ms, span)
         self.conn.commit()
         metrics.RELAY_PUBLISHED.labels(self.destination).inc(len(published))
         self.relay._emit("published", destination=self.destination, ids=[r.id for r in published])
 
     def _record_failure(
-        self, row: OutboxRow, error: BaseException, now: datetime, duration_ms: float
+        self,
+        row: OutboxRow,
+        error: BaseException,
+        now: datetime,
+        duration_ms: float,
+        span: tracing.SpanHandle,
     ) -> None:
         assert self.conn is not None
         c = self.relay.classifier.classify(error)
@@ -304,6 +313,7 @@ class _Loop:
             received_at=row.created_at, rng=self.relay.rng, explicit_delay=c.retry_after,
             idempotent=True,  # destinations deduplicate by message_id: the relay is at-least-once
         )  # fmt: skip
+        tracing.relay_failed(span, row.message_id, error, c.error_type, d.kind)
         common = {
             "id": row.id, "attempt": row.attempt, "now": now, "error": c.message, "error_type": c.error_type,
             "kind": c.kind.value, "traceback": c.traceback or None, "worker": self.relay.id,

@@ -23,7 +23,7 @@ from postbox.inbox.worker.claim import ClaimLoop
 from postbox.inbox.worker.completer import Completer
 from postbox.inbox.worker.executor import Executor
 from postbox.inbox.worker.settings import HandlerTimeout, TransactionEnded, WorkerShutdown
-from postbox.operations import metrics
+from postbox.operations import metrics, tracing
 
 __all__ = ["Slot"]
 
@@ -93,21 +93,24 @@ class Slot(ClaimLoop, Executor, Completer):
         """One message in its savepoint: run its handler, keep or undo its effects."""
         assert self.conn is not None
         batch.in_flight = message
-        metrics.record_start(message, self.worker.clock.now())
-        started = time.monotonic()
-        error = self._run_handler(message)
-        duration_ms = (time.monotonic() - started) * 1000.0
-        batch.last_run = message
-        error = self._after_handler(message, error)
-        batch.in_flight = None
-        metrics.record_handler(message, duration_ms / 1000.0)
-        self._durations[message.id] = duration_ms
-        if error is None:
-            batch.done.append(message)
-            self._breaker_record(False, message.key)
-            return
-        savepoints.roll_back(self.conn, message)
-        failure = self._failure(message, error, duration_ms)
+        with tracing.processing(message) as span:
+            metrics.record_start(message, self.worker.clock.now())
+            started = time.monotonic()
+            error = self._run_handler(message)
+            duration_ms = (time.monotonic() - started) * 1000.0
+            batch.last_run = message
+            error = self._after_handler(message, error)
+            batch.in_flight = None
+            metrics.record_handler(message, duration_ms / 1000.0)
+            self._durations[message.id] = duration_ms
+            if error is None:
+                batch.done.append(message)
+                self._breaker_record(False, message.key)
+                tracing.decided(span, "done")
+                return
+            savepoints.roll_back(self.conn, message)
+            failure = self._failure(message, error, duration_ms)
+            tracing.decided(span, failure.decision.kind, error, failure.classification.error_type)
         self._breaker_record(failure.classification.kind is FailureKind.TRANSIENT, message.key)
         batch.failures.append(failure)
 
