@@ -16,6 +16,7 @@ import re
 import shlex
 import signal
 import subprocess
+import sys
 import tomllib
 import uuid
 from pathlib import Path, PurePosixPath
@@ -32,7 +33,10 @@ from postbox.config.policies import build_transports, load_policies
 from postbox.config.settings import Settings, load_settings
 from postbox.inbox.handlers import Registry
 from postbox.inbox.receive import receive
+from tests.conftest import Database, _conninfo_url
 from tests.helpers import REPO, eventually, scalar, spawn_postbox
+from tests.test_alert_rules import promtool
+from tests.test_observability import free_port
 
 COMPOSE_FILE = REPO / "docker-compose.yml"
 DEPENDENCY_CONDITIONS = {"service_started", "service_healthy", "service_completed_successfully"}
@@ -72,6 +76,8 @@ def _is_postbox(service: dict[str, Any]) -> bool:
 
 
 POSTBOX_SERVICES = sorted(name for name, s in SERVICES.items() if _is_postbox(s))
+# The long-running ones (not the one-shot migration): each serves metrics and has a healthcheck.
+RUNNING_SERVICES = [name for name in POSTBOX_SERVICES if SERVICES[name].get("restart", "no") != "no"]
 
 
 def _depends_on(service: dict[str, Any]) -> dict[str, dict[str, Any]]:
@@ -127,6 +133,15 @@ def _parse_postbox(args: list[str]) -> click.Context:
     return command.make_context(name, rest, parent=group_ctx)
 
 
+def _subcommand(name: str) -> str:
+    """The ``postbox`` subcommand a service runs (``replay`` for ``replay run``), after the group's
+    options."""
+    ctx = _parse_postbox(_command(SERVICES[name]))
+    while ctx.parent is not None and ctx.parent.parent is not None:
+        ctx = ctx.parent
+    return str(ctx.info_name)
+
+
 # --- the compose file -------------------------------------------------------------------------
 
 
@@ -135,7 +150,7 @@ def test_the_compose_file_has_every_part_of_the_deployment():
     images = {s.get("image", "") for s in SERVICES.values() if not _is_postbox(s)}
     assert any(re.fullmatch(r"postgres:15(\D.*)?", i) for i in images), images
     assert any(i.startswith("rabbitmq:") for i in images), images
-    subcommands = {_command(SERVICES[name])[0] for name in POSTBOX_SERVICES}
+    subcommands = {_subcommand(name) for name in POSTBOX_SERVICES}
     assert {"migrate", "worker", "relay", "bridge"} <= subcommands
 
 
@@ -271,6 +286,142 @@ def test_services_serving_metrics_listen_on_every_interface_explicitly():
     assert serving, "no service serves metrics"
 
 
+def _metrics_port(name: str) -> int:
+    group = _parse_postbox(_command(SERVICES[name])).parent
+    assert group is not None
+    return int(group.params["metrics_port"] or _environment(SERVICES[name]).get("POSTBOX_METRICS_PORT", 0))
+
+
+@pytest.mark.parametrize("name", RUNNING_SERVICES)
+def test_every_running_postbox_service_serves_metrics_and_is_healthy_when_ready(name):
+    """Each long-running Postbox service serves metrics (on every interface, see above) and its
+    healthcheck asks its own /readyz on that port with the image's python (no curl there)."""
+    port = _metrics_port(name)
+    assert port, f"{name} serves no metrics"
+    test = SERVICES[name].get("healthcheck", {}).get("test")
+    assert test and test[:3] == ["CMD", "python", "-c"], f"{name}: healthcheck {test!r}"
+    assert f"urlopen('http://127.0.0.1:{port}/readyz'" in test[3], test[3]
+
+
+# What each kind of process needs, as a Postbox group role (docs/operations.md, "Roles").
+ROLE_OF = {
+    "worker": "postbox_worker",
+    "relay": "postbox_worker",
+    "bridge": "postbox_worker",
+    "maintain": "postbox_maintainer",
+    "replay": "postbox_operator",
+    "migrate": None,  # the owner of the schema
+}
+GROUPS = ("postbox_producer", "postbox_worker", "postbox_maintainer", "postbox_operator", "postbox_reader")
+
+
+def test_every_postbox_service_connects_as_its_own_least_privileged_login(compose_database):
+    """After the compose init scripts, each service's login exists, is no superuser, and is in
+    exactly the Postbox role its command needs (the migration's login in none: it owns the schema);
+    worker, relay and bridge have logins of their own."""
+    users = {}
+    with compose_database.connect(autocommit=True) as c:
+        for name in POSTBOX_SERVICES:
+            kind = _subcommand(name)
+            user = urlsplit(_environment(SERVICES[name])["POSTBOX_DATABASE_URL"]).username
+            row = c.execute(
+                "SELECT rolsuper, rolcanlogin FROM pg_roles WHERE rolname = %s", (user,)
+            ).fetchone()
+            assert row == (False, True), f"{name}: login {user!r} missing or a superuser: {row}"
+            member = [
+                g
+                for g in GROUPS
+                if c.execute("SELECT pg_has_role(%s, %s, 'MEMBER')", (user, g)).fetchone()[0]
+            ]
+            expected = [ROLE_OF[kind]] if ROLE_OF[kind] else []
+            assert member == expected, f"{name} ({kind}) connects as {user}, in {member}, not {expected}"
+            users[name] = user
+    assert len({users[n] for n in ("relay", "bridge", "worker-orders")}) == 3
+
+
+def _prometheus_targets() -> list[tuple[str, str, int]]:
+    """(job, compose service, port) of every scrape target of deploy/prometheus/prometheus.yml."""
+    config = yaml.safe_load((REPO / "deploy/prometheus/prometheus.yml").read_text(encoding="utf-8"))
+    targets = []
+    for job in config["scrape_configs"]:
+        for static in job.get("static_configs", []):
+            for target in static["targets"]:
+                host, _, port = target.rpartition(":")
+                targets.append((job["job_name"], host, int(port)))
+        for dns in job.get("dns_sd_configs", []):
+            assert dns.get("type", "SRV") == "A", "compose's DNS answers A queries"
+            targets += [(job["job_name"], host, int(dns["port"])) for host in dns["names"]]
+    return targets
+
+
+def test_prometheus_scrapes_every_postbox_service_at_its_metrics_port():
+    """The monitoring profile's Prometheus loads deploy/prometheus (config and the shipped rules,
+    through its mount); every scrape target is a Postbox service at the port it serves metrics on,
+    and every running Postbox service is scraped."""
+    service = SERVICES["prometheus"]
+    assert service.get("profiles") == ["monitoring"]
+    flag = next(a for a in service["command"] if a.startswith("--config.file="))
+    config = _host_path(service, flag.split("=", 1)[1])
+    assert config == REPO / "deploy/prometheus/prometheus.yml"
+    rules = yaml.safe_load(config.read_text(encoding="utf-8"))["rule_files"]
+    assert [(config.parent / r).resolve() for r in rules] == [REPO / "deploy/prometheus/alerts.yml"]
+    targets = _prometheus_targets()
+    for job, host, port in targets:
+        assert host in POSTBOX_SERVICES, f"{job}: {host} is not a Postbox service of docker-compose.yml"
+        assert port == _metrics_port(host), (
+            f"{job}: {host} serves metrics on {_metrics_port(host)}, not {port}"
+        )
+    assert sorted({host for _, host, _ in targets}) == sorted(RUNNING_SERVICES)
+
+
+def test_promtool_accepts_the_prometheus_config():
+    """``promtool check config deploy/prometheus/prometheus.yml`` (it also checks the rule files)."""
+    done = subprocess.run(
+        [promtool(), "check", "config", "deploy/prometheus/prometheus.yml"],
+        cwd=REPO, capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_grafana_provisions_the_prometheus_datasource_and_the_shipped_dashboard():
+    """Grafana's provisioning files are mounted; the datasource is the compose Prometheus (default,
+    the type the dashboard's datasource variable asks for); the dashboards provider reads a folder
+    that the mounts fill with the shipped deploy/grafana/postbox.json."""
+    service = SERVICES["grafana"]
+    assert service.get("profiles") == ["monitoring"]
+    provisioning = _host_path(service, "/etc/grafana/provisioning")
+    assert provisioning is not None and provisioning.is_dir()
+    files = sorted(provisioning.rglob("*.yml"))
+    assert {f.parent.name for f in files} == {"datasources", "dashboards"}
+    dashboard = json.loads((REPO / "deploy/grafana/postbox.json").read_text(encoding="utf-8"))
+    (variable,) = [v for v in dashboard["templating"]["list"] if v["type"] == "datasource"]
+    for file in files:
+        content = yaml.safe_load(file.read_text(encoding="utf-8"))
+        assert content["apiVersion"] == 1
+        for source in content.get("datasources", []):
+            url = urlsplit(source["url"])
+            assert source["type"] == variable["query"] and source["isDefault"]
+            assert url.hostname == "prometheus" and url.port == 9090
+            assert "9090:9090" in SERVICES["prometheus"]["ports"]
+        for provider in content.get("providers", []):
+            folder = PurePosixPath(provider["options"]["path"])
+            mounted = [host for host, target in _bind_mounts(service) if folder in target.parents]
+            assert mounted == [REPO / "deploy/grafana/postbox.json"], f"{folder}: {mounted}"
+
+
+def test_optional_services_are_in_profiles_no_default_service_needs():
+    """Prometheus and Grafana are in the profile monitoring, the Kafka-compatible broker (tansu) in
+    the profile kafka; no service started by default depends on a service of a profile."""
+    kafka = SERVICES["kafka"]
+    assert kafka["image"].startswith("ghcr.io/tansu-io/tansu") and kafka["profiles"] == ["kafka"]
+    assert kafka["command"][0] == "broker" and "tcp://kafka:9092" in kafka["command"]
+    profiled = {name for name, service in SERVICES.items() if service.get("profiles")}
+    assert profiled == {"prometheus", "grafana", "kafka"}
+    for name, service in SERVICES.items():
+        if not service.get("profiles"):
+            assert not set(_depends_on(service)) & profiled, f"{name} depends on an optional service"
+
+
 @pytest.mark.parametrize(
     "args",
     [
@@ -381,9 +532,6 @@ def test_the_readme_compose_commands_name_real_services_and_users():
     env = _environment(SERVICES["postgres"])
     assert env["POSTGRES_USER"] == env["POSTGRES_DB"]
     assert set(re.findall(r"psql -U (\S+)", section)) == {env["POSTGRES_USER"]}
-    assert (
-        urlsplit(_environment(SERVICES["migrate"])["POSTBOX_DATABASE_URL"]).username == env["POSTGRES_USER"]
-    )
 
 
 # --- the compose command lines, run -----------------------------------------------------------
@@ -413,31 +561,53 @@ def compose_database(database) -> Any:
     return database
 
 
+def _login_url(name: str, database: Database) -> str:
+    """The service's database URL with its login (user and password) kept, pointed at ``database``."""
+    login = urlsplit(_environment(SERVICES[name])["POSTBOX_DATABASE_URL"])
+    assert login.username and login.password, f"{name}: no login in its database URL"
+    params = dict(database.server.params, dbname=database.name, user=login.username, password=login.password)
+    return _conninfo_url(params)
+
+
 def _run_compose_service(
     name: str,
-    database_url: str,
+    database: Database,
     monkeypatch: pytest.MonkeyPatch,
     config: Path | None = None,
     replace: dict[str, str] | None = None,
     options: dict[str, str] | None = None,
-) -> subprocess.Popen[bytes]:
+    *,
+    as_login: bool = False,
+) -> tuple[subprocess.Popen[bytes], int]:
     """Start a compose service's exact command line with its environment, the database URL pointed
-    at the test database and container paths mapped back to the mounted host files (or to
-    ``config``); ``replace`` substitutes text in the arguments (broker hosts), ``options`` gives
-    options other values (queue names)."""
+    at the test database (as the service's own login with ``as_login``, else as the test's
+    superuser) and container paths mapped back to the mounted host files (or to ``config``);
+    ``replace`` substitutes text in the arguments (broker hosts), ``options`` gives options other
+    values (queue names). Its metrics move to a free port (every container has its own 9464; here
+    they share one host): the process and that port."""
     service = SERVICES[name]
     for variable, value in _environment(service).items():
         host = _host_path(service, value) if value.startswith("/") else None
         monkeypatch.setenv(variable, str(host) if host else value)
-    monkeypatch.setenv("POSTBOX_DATABASE_URL", database_url)
+    monkeypatch.setenv("POSTBOX_DATABASE_URL", _login_url(name, database) if as_login else database.url)
     if config is not None:
         monkeypatch.setenv("POSTBOX_CONFIG", str(config))
     args = _command(service)
     for old, new in (replace or {}).items():
         args = [a.replace(old, new) for a in args]
-    for option, value in (options or {}).items():
+    port = free_port()
+    for option, value in {"--metrics-port": str(port), **(options or {})}.items():
         args[args.index(option) + 1] = value
-    return spawn_postbox(*args, stderr=subprocess.PIPE)
+    return spawn_postbox(*args, stderr=subprocess.PIPE), port
+
+
+def _healthy(name: str, port: int) -> bool:
+    """The service's own healthcheck command (``python -c …``, its port moved to ``port``) succeeds."""
+    test = SERVICES[name]["healthcheck"]["test"]
+    assert test[:2] == ["CMD", "python"], test
+    code = [a.replace(f":{_metrics_port(name)}/", f":{port}/") for a in test[2:]]
+    done = subprocess.run([sys.executable, *code], capture_output=True, timeout=30, check=False)
+    return done.returncode == 0
 
 
 def test_the_orders_worker_of_the_compose_file_processes_an_order(compose_database, monkeypatch):
@@ -456,7 +626,7 @@ def test_the_orders_worker_of_the_compose_file_processes_an_order(compose_databa
         receive(c, consumer="orders", message_id="o2-paid", key="order-2", type="order.paid", payload={})
         receive(c, consumer="orders", message_id="o3-new", key="order-3", type="order.created", payload={})
         c.commit()
-    worker = _run_compose_service("worker-orders", url, monkeypatch)
+    worker, port = _run_compose_service("worker-orders", compose_database, monkeypatch)
     try:
 
         def settled() -> Any:
@@ -470,6 +640,7 @@ def test_the_orders_worker_of_the_compose_file_processes_an_order(compose_databa
             return (orders, outbox, dead) if len(orders) == 2 and dead else None
 
         orders, outbox, dead = eventually(settled, timeout=60, what="worker-orders processed the orders")
+        assert _healthy("worker-orders", port)
     finally:
         _stop(worker)
     assert orders == {"order-1": "paid", "order-3": "created"}
@@ -499,7 +670,7 @@ def test_the_shipping_worker_of_the_compose_file_records_a_shipment(compose_data
             payload={"order_id": "order-1", "amount": 42},
         )
         c.commit()
-    worker = _run_compose_service("worker-shipping", url, monkeypatch)
+    worker, port = _run_compose_service("worker-shipping", compose_database, monkeypatch)
     try:
 
         def shipped() -> Any:
@@ -508,10 +679,85 @@ def test_the_shipping_worker_of_the_compose_file_records_a_shipment(compose_data
                 return c.execute("SELECT order_id, request_id FROM example_shipments").fetchall()
 
         shipments = eventually(shipped, timeout=60, what="worker-shipping recorded the shipment")
+        assert _healthy("worker-shipping", port)
     finally:
         _stop(worker)
     assert shipments == [("order-1", "o1-paid:shipment")]
     assert worker.returncode == 0
+
+
+# The schema check at start (postbox.schema.migrate) reads postbox.alembic_version, which only the
+# operator and reader roles may read: a worker, relay, bridge or maintenance process started by the
+# CLI as a login of postbox_worker or postbox_maintainer exits with "permission denied for table
+# alembic_version". Until that is fixed these cases are expected to fail (strict: a fix shows up).
+class SchemaCheckRefused(Exception):
+    """The process exited: its login may not read postbox.alembic_version."""
+
+
+SCHEMA_CHECK_REFUSED = pytest.mark.xfail(
+    raises=SchemaCheckRefused,
+    strict=True,
+    reason="the start-up schema check reads postbox.alembic_version, refused to these roles",
+)
+
+
+@pytest.mark.parametrize(
+    "name",
+    [pytest.param(n, marks=SCHEMA_CHECK_REFUSED) if n != "replay-runner" else n for n in RUNNING_SERVICES],
+)
+def test_every_running_service_becomes_healthy_as_its_login(name, compose_database, monkeypatch, tmp_path):
+    """Each long-running service of the compose file, its command line run as its own login (the
+    brokers mapped to this machine's, the bridge's queue renamed), passes its own healthcheck (its
+    /readyz) and stops cleanly on SIGTERM."""
+    config, replace, queue = _local_brokers(tmp_path)
+    options = {"--name": queue} if _subcommand(name) == "bridge" else {}
+    process, port = _run_compose_service(
+        name, compose_database, monkeypatch, config, replace, options, as_login=True
+    )
+    try:
+
+        def healthy() -> bool:
+            if process.poll() is not None:
+                stderr = process.communicate()[1].decode()
+                if "permission denied for table alembic_version" in stderr:
+                    raise SchemaCheckRefused(stderr.strip().splitlines()[-1])
+                raise AssertionError(f"{name} exited: {stderr}")
+            return _healthy(name, port)
+
+        eventually(healthy, timeout=60, interval=0.2, what=f"{name} healthy")
+    finally:
+        errors = _stop(process)
+        _delete_queue(queue)
+    assert process.returncode == 0, errors
+
+
+COMPOSE_BROKER, LOCAL_BROKER = "@rabbitmq:5672/", "@127.0.0.1:5672/"
+
+
+def _local_brokers(tmp_path: Path) -> tuple[Path, dict[str, str], str]:
+    """The compose config file with RabbitMQ at this machine's and the destination's queue renamed
+    (unique to the test), the argument substitutions that do the same on a command line, and the
+    queue."""
+    queue = f"shipping-test-{uuid.uuid4().hex[:12]}"
+    original = _host_path(SERVICES["relay"], _environment(SERVICES["relay"])["POSTBOX_CONFIG"])
+    assert original is not None
+    text = original.read_text(encoding="utf-8")
+    assert COMPOSE_BROKER in text and 'routing_key = "shipping"' in text
+    config = tmp_path / "postbox.toml"
+    config.write_text(
+        text.replace(COMPOSE_BROKER, LOCAL_BROKER).replace(
+            'routing_key = "shipping"', f'routing_key = "{queue}"'
+        )
+    )
+    return config, {COMPOSE_BROKER: LOCAL_BROKER}, queue
+
+
+def _delete_queue(queue: str) -> None:
+    import pika
+
+    connection = pika.BlockingConnection(pika.URLParameters("amqp://guest:guest@127.0.0.1:5672/%2F"))
+    connection.channel().queue_delete(queue)
+    connection.close()
 
 
 def test_the_compose_pipeline_turns_a_paid_order_into_a_shipment(compose_database, monkeypatch, tmp_path):
@@ -519,28 +765,15 @@ def test_the_compose_pipeline_turns_a_paid_order_into_a_shipment(compose_databas
     and config file (the host ``rabbitmq`` mapped to the machine's RabbitMQ, the queue renamed for
     this test): the README's order event goes inbox -> outbox -> RabbitMQ -> inbox and ends as one
     shipment, seen by the README's queries."""
-    import pika
-
     url = compose_database.url
-    queue = f"shipping-test-{uuid.uuid4().hex[:12]}"
-    compose_broker, local_broker = "@rabbitmq:5672/", "@127.0.0.1:5672/"
-    original = _host_path(SERVICES["relay"], _environment(SERVICES["relay"])["POSTBOX_CONFIG"])
-    assert original is not None
-    text = original.read_text(encoding="utf-8")
-    assert compose_broker in text and 'routing_key = "shipping"' in text
-    config = tmp_path / "postbox.toml"
-    config.write_text(
-        text.replace(compose_broker, local_broker).replace(
-            'routing_key = "shipping"', f'routing_key = "{queue}"'
-        )
-    )
-    replace = {compose_broker: local_broker}
+    config, replace, queue = _local_brokers(tmp_path)
     # In compose order: the workers first (they declare their consumers), then relay and bridge.
     names = ["worker-shipping", "worker-orders", "relay", "bridge"]
     produce, queries = _readme_sql()
     with psycopg.connect(url, autocommit=True) as c:  # as psql runs the README's statement
         assert c.execute(produce).fetchall() == [("new",)]
-    processes = []
+    processes: list[subprocess.Popen[bytes]] = []
+    ports: list[int] = []
     try:
         for name in names:
             if name == "relay":
@@ -550,7 +783,11 @@ def test_the_compose_pipeline_turns_a_paid_order_into_a_shipment(compose_databas
                     what="the workers declared their consumers",
                 )
             options = {"--name": queue} if name == "bridge" else {}
-            processes.append(_run_compose_service(name, url, monkeypatch, config, replace, options))
+            process, port = _run_compose_service(
+                name, compose_database, monkeypatch, config, replace, options
+            )
+            processes.append(process)
+            ports.append(port)
 
         def shipped() -> Any:
             for name, process in zip(names, processes, strict=True):
@@ -559,11 +796,11 @@ def test_the_compose_pipeline_turns_a_paid_order_into_a_shipment(compose_databas
                 return c.execute("SELECT order_id, request_id FROM example_shipments").fetchall()
 
         shipments = eventually(shipped, timeout=90, what="the shipment reached worker-shipping")
+        unhealthy = [name for name, port in zip(names, ports, strict=True) if not _healthy(name, port)]
+        assert not unhealthy, f"healthcheck fails for {unhealthy}"
     finally:
         errors = [_stop(p) for p in processes]
-        connection = pika.BlockingConnection(pika.URLParameters("amqp://guest:guest@127.0.0.1:5672/%2F"))
-        connection.channel().queue_delete(queue)
-        connection.close()
+        _delete_queue(queue)
     assert shipments == [("order-1", "order-1-paid:shipment")]
     with psycopg.connect(url, autocommit=True) as c:
         assert [c.execute(q).fetchall() for q in queries] == [
