@@ -127,16 +127,15 @@ class _QuietHandler(WSGIRequestHandler):
         pass
 
 
-def _server_class(host: str, port: int) -> tuple[type[ThreadingWSGIServer], str]:
-    """prometheus_client's threaded WSGI server, with the address family of ``host`` (IPv6 too)."""
-    family, _, _, _, address = socket.getaddrinfo(
-        host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
-    )[0]
+def _server_class(host: str) -> tuple[type[ThreadingWSGIServer], str]:
+    """prometheus_client's threaded WSGI server for ``host``: IPv6 for an IPv6 address (``::``
+    listens on every interface), IPv4 otherwise (a name resolves as before, to IPv4)."""
+    ipv6 = ":" in host
 
     class Server(ThreadingWSGIServer):
-        address_family = family
+        address_family = socket.AF_INET6 if ipv6 else socket.AF_INET
 
-    return Server, str(address[0])
+    return Server, host.strip("[]")
 
 
 class MetricsServer:
@@ -153,7 +152,7 @@ class MetricsServer:
         ready: Callable[[], bool] = lambda: True,
         registry: CollectorRegistry = REGISTRY,
     ) -> None:
-        server_class, address = _server_class(host, port)
+        server_class, address = _server_class(host)
         self.httpd = make_server(
             address,
             port,
