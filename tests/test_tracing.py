@@ -4,6 +4,7 @@ and without an SDK, or without OpenTelemetry at all, ``traceparent`` carried unc
 
 from __future__ import annotations
 
+import asyncio
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -161,6 +162,34 @@ def test_receive_and_handling_spans_join_through_the_stored_traceparent(database
     assert publish.parent is not None and publish.parent.span_id == m3.context.span_id
     assert publish.attributes is not None and publish.attributes["messaging.operation.type"] == "create"
     assert _headers(database.url, "outbox", "e3")["traceparent"] == _traceparent(publish)
+
+
+def test_an_async_handler_runs_in_its_attempt_span(database, provider):
+    """receive_async writes the context; an ``async def`` handler runs with its attempt's span
+    current, so the event it publishes (publish_async) is that span's child."""
+    _, exporter = provider
+    url = database.url
+
+    async def produce() -> None:
+        async with await psycopg.AsyncConnection.connect(url) as conn:
+            await postbox.receive_async(conn, consumer="c", message_id="a1", key="k", payload={})
+            await conn.commit()
+
+    asyncio.run(produce())
+    registry = Registry()
+
+    @registry.handler("c")
+    async def handle(message, ctx):
+        await ctx.publish("next", {}, message_id="ea1")
+
+    _run_worker(url, registry, DRAINED)
+    spans = exporter.get_finished_spans()
+    (send,) = _named(spans, "send c")
+    (process,) = _named(spans, "process c")
+    (publish,) = _named(spans, "publish next")
+    assert process.parent is not None and process.parent.span_id == send.context.span_id
+    assert publish.parent is not None and publish.parent.span_id == process.context.span_id
+    assert _headers(url, "outbox", "ea1")["traceparent"] == _traceparent(publish)
 
 
 def _publish_one(url: str, provider: TracerProvider, message_id: str, key: str, payload: object) -> None:

@@ -176,16 +176,8 @@ def _stamped(items: list[dict[str, Any]], span: Span) -> list[dict[str, Any]]:
     return stamped
 
 
-def _name_and_destination(span: Span, operation: str, items: Sequence[dict[str, Any]], field: str) -> None:
-    destinations = {item[field] for item in items}
-    if len(destinations) == 1:
-        (destination,) = destinations
-        span.update_name(f"{operation} {destination}")
-        span.set_attribute("messaging.destination.name", destination)
-
-
-def _message_attributes(span: Span, item: dict[str, Any]) -> None:
-    """The attributes of a span about one message."""
+def _message_attributes(attributes: dict[str, Any], item: dict[str, Any]) -> dict[str, Any]:
+    """``attributes`` with those of the one message a span is about."""
     for attribute, value in (
         ("messaging.message.id", item.get("message_id")),
         ("messaging.message.conversation_id", item.get("correlation_id")),
@@ -193,7 +185,8 @@ def _message_attributes(span: Span, item: dict[str, Any]) -> None:
         ("postbox.message.type", item.get("type")),
     ):
         if value is not None:
-            span.set_attribute(attribute, value)
+            attributes[attribute] = value
+    return attributes
 
 
 @contextmanager
@@ -205,17 +198,23 @@ def producing(operation: str, items: list[dict[str, Any]], field: str) -> Iterat
     if tracer is None:
         yield items
         return
-    span = tracer.start_span(operation, kind=trace.SpanKind.PRODUCER)
+    attributes: dict[str, Any] = {
+        "messaging.system": SYSTEM,
+        "messaging.operation.name": operation,
+        "messaging.operation.type": "create" if operation == "publish" else "send",
+    }
+    name = operation
+    destinations = {item[field] for item in items}
+    if len(destinations) == 1:  # a batch to several queues is named by its operation alone
+        (destination,) = destinations
+        name = f"{operation} {destination}"
+        attributes["messaging.destination.name"] = destination
+    if len(items) == 1:
+        _message_attributes(attributes, items[0])
+    else:
+        attributes["messaging.batch.message_count"] = len(items)
+    span = tracer.start_span(name, kind=trace.SpanKind.PRODUCER, attributes=attributes)
     with trace.use_span(span, end_on_exit=True):
-        if span.is_recording():
-            _name_and_destination(span, operation, items, field)
-            span.set_attribute("messaging.system", SYSTEM)
-            span.set_attribute("messaging.operation.name", operation)
-            span.set_attribute("messaging.operation.type", "create" if operation == "publish" else "send")
-            if len(items) == 1:
-                _message_attributes(span, items[0])
-            else:
-                span.set_attribute("messaging.batch.message_count", len(items))
         yield _stamped(items, span)
 
 
@@ -239,20 +238,21 @@ def processing(message: _Delivered) -> Iterator[SpanHandle]:
     if tracer is None:
         yield None
         return
-    span = tracer.start_span("process", _context_of(message.headers), kind=trace.SpanKind.CONSUMER)
+    attributes = {
+        "messaging.system": SYSTEM,
+        "messaging.operation.name": "process",
+        "messaging.operation.type": "process",
+        "messaging.destination.name": message.consumer,
+        "messaging.consumer.group.name": message.consumer,
+        "postbox.attempt": message.attempt,
+    }
+    span = tracer.start_span(
+        f"process {message.consumer}",
+        _context_of(message.headers),
+        kind=trace.SpanKind.CONSUMER,
+        attributes=_message_attributes(attributes, message.__dict__),
+    )
     with trace.use_span(span, end_on_exit=True):
-        if span.is_recording():
-            span.update_name(f"process {message.consumer}")
-            for attribute, value in (
-                ("messaging.system", SYSTEM),
-                ("messaging.operation.name", "process"),
-                ("messaging.operation.type", "process"),
-                ("messaging.destination.name", message.consumer),
-                ("messaging.consumer.group.name", message.consumer),
-                ("postbox.attempt", message.attempt),
-            ):
-                span.set_attribute(attribute, value)
-            _message_attributes(span, message.__dict__)
         yield span
 
 
@@ -269,8 +269,9 @@ def decided(
 
 
 def _failed(span: Span, error: BaseException, error_type: str | None, **attributes: str) -> None:
+    """The exception on ``span`` (an event, with ``attributes``), its type and the ERROR status."""
     error_type = error_type or type(error).__qualname__
-    span.record_exception(error, attributes={"postbox.error_type": error_type, **attributes})
+    span.record_exception(error, attributes=attributes)
     span.set_attribute("error.type", error_type)
     span.set_status(trace.Status(trace.StatusCode.ERROR, f"{error_type}: {error}"[:500]))
 
@@ -298,24 +299,26 @@ def relaying(transport: object, destination: str, rows: Sequence[_Row]) -> Itera
     if tracer is None:
         yield None
         return
-    single = _context_of(rows[0].headers) if len(rows) == 1 else None
-    span = tracer.start_span("send", single, kind=trace.SpanKind.CLIENT)
+    attributes: dict[str, Any] = {
+        "messaging.system": _system(transport),
+        "messaging.destination.name": destination,
+        "messaging.operation.name": "send",
+        "messaging.operation.type": "send",
+    }
+    if len(rows) == 1:
+        attributes["messaging.message.id"] = rows[0].message_id
+        parent = _context_of(rows[0].headers)
+    else:
+        attributes["messaging.batch.message_count"] = len(rows)
+        parent = None
+    span = tracer.start_span(f"send {destination}", parent, kind=trace.SpanKind.CLIENT, attributes=attributes)
     with trace.use_span(span, end_on_exit=True):
-        if span.is_recording():
-            span.update_name(f"send {destination}")
-            span.set_attribute("messaging.system", _system(transport))
-            span.set_attribute("messaging.destination.name", destination)
-            span.set_attribute("messaging.operation.name", "send")
-            span.set_attribute("messaging.operation.type", "send")
-            if len(rows) == 1:
-                span.set_attribute("messaging.message.id", rows[0].message_id)
-            else:
-                span.set_attribute("messaging.batch.message_count", len(rows))
-                for row in rows:
-                    context = _context_of(row.headers)
-                    if context is not None:
-                        linked = trace.get_current_span(context).get_span_context()
-                        span.add_link(linked, {"messaging.message.id": row.message_id})
+        if parent is None and span.is_recording():
+            for row in rows:
+                context = _context_of(row.headers)
+                if context is not None:
+                    linked = trace.get_current_span(context).get_span_context()
+                    span.add_link(linked, {"messaging.message.id": row.message_id})
         yield span
 
 
