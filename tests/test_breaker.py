@@ -57,6 +57,23 @@ def test_transient_failures_across_many_keys_open_it():
     assert b.claim_limit(100) == 0
 
 
+def test_an_outage_opens_it_and_a_successful_probe_closes_it():
+    """With the defaults: opened by transient failures across 20 keys, it claims nothing until
+    probe_interval has passed, then one probe; the probe's success closes it."""
+    clock = _Clock()
+    b = CircuitBreaker(BreakerSettings(), clock)
+    for i in range(20):
+        b.record(True, f"k{i}")
+    assert b.state is BreakerState.OPEN
+    clock.now += 4.9
+    assert b.claim_limit(100) == 0
+    clock.now += 0.1
+    assert b.claim_limit(100) == 1
+    assert b.state is BreakerState.HALF_OPEN
+    assert b.record(False, "k0") is BreakerState.CLOSED
+    assert b.claim_limit(100) == 100
+
+
 def test_permanent_failures_never_count():
     """Permanent failures are recorded as attempts that did not fail transiently: across many keys
     and every attempt, they never open it (they are bad messages, not a dependency down)."""
