@@ -17,6 +17,7 @@ EXTRAS = {
     "rabbitmq": "pika",
     "nats": "nats",
     "redis": "redis",
+    "kafka": "confluent_kafka",
     "http": "httpx",
     "embedded": "pgserver",
 }

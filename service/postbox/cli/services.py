@@ -260,9 +260,16 @@ class _Stoppable:
 
 
 @click.command()
-@click.option("--from", "source_url", required=True, help="Broker URL: amqp://..., redis://... or nats://...")
 @click.option(
-    "--name", required=True, help="RabbitMQ queue, Redis stream, or NATS STREAM:SUBJECT to consume."
+    "--from",
+    "source_url",
+    required=True,
+    help="Broker URL: amqp://..., redis://..., nats://... or kafka://host:port?group=GROUP.",
+)
+@click.option(
+    "--name",
+    required=True,
+    help="RabbitMQ queue, Redis stream, NATS STREAM:SUBJECT or Kafka topic to consume.",
 )
 @click.option("--consumer", required=True, help="The inbox consumer the messages are received for.")
 @click.option("--batch-size", default=100, show_default=True, type=click.IntRange(1, 10_000))

@@ -32,6 +32,7 @@ from postbox.config.policy_models import (
     DestinationConfig,
     HttpDestination,
     HttpHandlerConfig,
+    KafkaDestination,
     NatsDestination,
     PoliciesConfig,
     PostgresDestination,
@@ -50,6 +51,7 @@ __all__ = [
     "DestinationConfig",
     "HttpDestination",
     "HttpHandlerConfig",
+    "KafkaDestination",
     "NatsDestination",
     "PoliciesConfig",
     "PostgresDestination",
@@ -126,6 +128,10 @@ def build_transports(config: PoliciesConfig, names: list[str], own_url: str) -> 
         elif isinstance(dest, RedisDestination):
             transports[name] = functools.partial(
                 transport_class("redis"), dest.url, dest.stream or f"postbox:{name}", dest.maxlen
+            )
+        elif isinstance(dest, KafkaDestination):
+            transports[name] = functools.partial(
+                transport_class("kafka"), dest.bootstrap_servers, dest.topic or name, dest.settings
             )
         else:
             secret = _secret(dest.hmac_secret_env, f"destinations.{name}")

@@ -6,8 +6,9 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from postbox.config.masking import is_secret_name, register_secret
 from postbox.failures.breaker import BreakerSettings
 from postbox.failures.policy import RetryPolicy
 
@@ -17,6 +18,7 @@ __all__ = [
     "HandlerConfig",
     "HttpDestination",
     "HttpHandlerConfig",
+    "KafkaDestination",
     "NatsDestination",
     "PoliciesConfig",
     "PostgresDestination",
@@ -27,6 +29,8 @@ __all__ = [
 ]
 
 DAY = 86400.0
+# librdkafka settings that hold secrets although their names do not say so.
+KAFKA_SECRET_SETTINGS = frozenset({"ssl.key.pem", "ssl_key", "sasl.oauthbearer.config"})
 
 
 class TypePolicy(BaseModel):
@@ -136,6 +140,30 @@ class RedisDestination(_Destination):
     maxlen: int | None = Field(default=None, gt=0)
 
 
+class KafkaDestination(_Destination):
+    """Produce to a Kafka topic (default: the destination's name; ``{type}`` in it is the message
+    type) with an idempotent producer and ``acks=all``. ``settings`` are librdkafka settings, passed
+    through (``security.protocol``, ``sasl.*``, ``ssl.*``, ``linger.ms``...); secret ones are masked."""
+
+    kind: Literal["kafka"]
+    bootstrap_servers: str = Field(default="127.0.0.1:9092", min_length=1)
+    topic: str | None = Field(default=None, pattern=r"^([A-Za-z0-9._-]|\{type\})+$")
+    settings: dict[str, str | int | float | bool] = Field(default_factory=dict)
+
+    @field_validator("settings")
+    @classmethod
+    def _guarantees_kept(cls, settings: dict[str, Any]) -> dict[str, Any]:
+        for name, weaker in (("enable.idempotence", ("false", "0")), ("acks", ("0", "1"))):
+            if str(settings.get(name, "")).lower() in weaker:
+                raise ValueError(
+                    f"{name} = {settings[name]!r} would weaken delivery: Postbox needs it as it sets it"
+                )
+        for name, value in settings.items():  # a private key's name does not say it is secret
+            if isinstance(value, str) and (is_secret_name(name) or name in KAFKA_SECRET_SETTINGS):
+                register_secret(value)
+        return settings
+
+
 class HttpDestination(_Destination):
     """POST each row to a webhook."""
 
@@ -147,7 +175,12 @@ class HttpDestination(_Destination):
 
 
 DestinationConfig = Annotated[
-    PostgresDestination | RabbitMQDestination | NatsDestination | RedisDestination | HttpDestination,
+    PostgresDestination
+    | RabbitMQDestination
+    | NatsDestination
+    | RedisDestination
+    | KafkaDestination
+    | HttpDestination,
     Field(discriminator="kind"),
 ]
 

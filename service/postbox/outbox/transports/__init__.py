@@ -1,5 +1,6 @@
 """Brokers, one module each: the relay's transport to it (outbound) and, where there is one, the
-bridge's source from it (inbound). ``rabbitmq``, ``nats``, ``redis``, ``http`` and ``postgres``.
+bridge's source from it (inbound). ``rabbitmq``, ``nats``, ``redis``, ``kafka``, ``http`` and
+``postgres``.
 
 A transport publishes a batch and says, per row, whether the destination confirmed it (``None``)
 or why not (an exception, classified like a handler's: transient, permanent, unknown outcome).
@@ -62,7 +63,8 @@ class Transport(Protocol):
 
 @dataclass
 class Incoming:
-    """A broker message on its way in; ``token`` is what the source needs to ack it."""
+    """A broker message on its way in; ``token`` is what the source needs to ack it, ``refused`` why
+    the bridge refused it (set before :meth:`Source.reject`, for a source that dead-letters it)."""
 
     token: Any
     message_id: str | None
@@ -72,6 +74,7 @@ class Incoming:
     headers: dict[str, Any] = field(default_factory=dict)
     correlation_id: str | None = None
     causation_id: str | None = None
+    refused: str | None = None
 
 
 class Source(Protocol):
@@ -110,7 +113,7 @@ def text(value: Any) -> str | None:
 
 
 # Destination kinds (the ``kind`` of a [destinations.NAME] table), and URL schemes, by module.
-KINDS = ("postgres", "rabbitmq", "nats", "redis", "http")
+KINDS = ("postgres", "rabbitmq", "nats", "redis", "kafka", "http")
 SCHEMES = {
     "amqp": "rabbitmq",
     "amqps": "rabbitmq",
@@ -118,6 +121,7 @@ SCHEMES = {
     "tls": "nats",
     "redis": "redis",
     "rediss": "redis",
+    "kafka": "kafka",
     "http": "http",
     "https": "http",
     "postgresql": "postgres",
@@ -142,11 +146,11 @@ def transport_class(kind: str) -> Callable[..., Transport]:
 
 
 def source_for(url: str, name: str) -> Source:
-    """The bridge source for a broker URL: amqp:// (queue ``name``), redis:// (stream ``name``), or
-    nats:// (``name`` is STREAM:SUBJECT)."""
+    """The bridge source for a broker URL: amqp:// (queue ``name``), redis:// (stream ``name``),
+    nats:// (``name`` is STREAM:SUBJECT) or kafka:// (topic ``name``)."""
     scheme = url.split(":", 1)[0]
     module = _module(SCHEMES[scheme.lower()]) if scheme.lower() in SCHEMES else None
     if module is None or getattr(module, "source", None) is None:
-        raise ValueError(f"postbox: no bridge source for {scheme!r} (amqp, redis or nats)")
+        raise ValueError(f"postbox: no bridge source for {scheme!r} (amqp, redis, nats or kafka)")
     made: Source = module.source(url, name)
     return made
