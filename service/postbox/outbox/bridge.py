@@ -3,11 +3,12 @@
 Broker redelivery (a crash between commit and ack, a lost ack) is absorbed by the inbox's
 deduplication, so the loop broker → inbox → handler → outbox → broker is effectively once at every
 hop that has an id. Sources (in :mod:`postbox.outbox.transports`, with each broker's transport):
-RabbitMQ (a queue), Redis Streams (a consumer group) and NATS JetStream (a durable pull
-consumer). A message needs an id: the AMQP ``message_id`` property or a
+RabbitMQ (a queue), Redis Streams (a consumer group), NATS JetStream (a durable pull
+consumer) and Kafka (a consumer group). A message needs an id: the AMQP ``message_id`` property or a
 ``postbox-message-id`` / ``Nats-Msg-Id`` header (or field); its key comes from ``postbox-key``
 (default: the id), its type from ``postbox-type`` or the AMQP ``type``. A message without an id, or
-whose content is refused, is rejected (not requeued) and logged: nothing is written for it.
+whose content is refused (not JSON, over the database's size limits), is rejected (not requeued)
+and logged: nothing is written for it, and the source may dead-letter it (Kafka's does).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import json
 import logging
 import random
+import re
 import threading
 from typing import Any
 
@@ -153,11 +155,12 @@ class Bridge:
 
     def _store(
         self, messages: list[InboxMessage], conn: psycopg.Connection[Any] | None
-    ) -> tuple[list[ReceiveResult] | None, psycopg.Connection[Any] | None]:
+    ) -> tuple[list[ReceiveResult] | InvalidMessage | None, psycopg.Connection[Any] | None]:
         """Receive a batch and commit it, retrying with jittered backoff while the database is
         unreachable (a retry after a commit whose outcome was lost finds duplicates: nothing is
         stored twice). Committed first, acknowledged after: a crash in between means a redelivery.
-        Returns no results if the bridge is stopped meanwhile."""
+        Returns no results if the bridge is stopped meanwhile, the refusal if the database refuses
+        a message of the batch (over its size limits: nothing of the batch is stored)."""
         failures = 0
         while True:
             try:
@@ -166,6 +169,10 @@ class Bridge:
                 results = receive_many(conn, messages)
                 conn.commit()
                 return results, conn
+            except InvalidMessage as refused:  # raised before the batch is sent: conn is connected
+                if conn is not None:
+                    conn.rollback()
+                return refused, conn
             except psycopg.OperationalError as error:
                 failures += 1
                 log.warning(
@@ -180,6 +187,34 @@ class Bridge:
                 if self._stopping.wait(min(5.0, 0.1 * 2**failures) * random.uniform(0.5, 1.0)):
                     return None, None
 
+    def _reject(self, item: Incoming, error: InvalidMessage) -> None:
+        log.warning(
+            "bridge rejects a message: %s",
+            error,
+            extra={"event": "bridge_rejected", "consumer": self.consumer,
+                   "message_id": item.message_id, "key": item.key},
+        )  # fmt: skip
+        metrics.BRIDGE_MESSAGES.labels(self.consumer, "rejected").inc()
+        self.rejected += 1
+        item.refused = str(error)
+        self.source.reject(item)
+
+    def _store_refusing(
+        self, good: list[tuple[Incoming, InboxMessage]], conn: psycopg.Connection[Any] | None
+    ) -> tuple[list[ReceiveResult] | None, psycopg.Connection[Any] | None]:
+        """:meth:`_store`, rejecting a message the database refuses (over its size limits) and
+        storing the others: a message too large for the inbox must not stop the bridge. ``good``
+        is left holding what was stored."""
+        while True:
+            results, conn = self._store([m for _, m in good], conn)
+            if not isinstance(results, InvalidMessage):
+                return results, conn
+            match = re.match(r"messages\[(\d+)\]", results.field)
+            if match is None or int(match.group(1)) >= len(good):
+                raise results
+            item, _ = good.pop(int(match.group(1)))
+            self._reject(item, results)
+
     def _loop(self) -> None:
         conn: psycopg.Connection[Any] | None = None
         self._wait_for_consumer()
@@ -193,16 +228,8 @@ class Bridge:
                     try:
                         good.append((item, self._message(item)))
                     except InvalidMessage as error:
-                        log.warning(
-                            "bridge rejects a message: %s",
-                            error,
-                            extra={"event": "bridge_rejected", "consumer": self.consumer,
-                                   "message_id": item.message_id, "key": item.key},
-                        )  # fmt: skip
-                        metrics.BRIDGE_MESSAGES.labels(self.consumer, "rejected").inc()
-                        self.rejected += 1
-                        self.source.reject(item)
-                results, conn = self._store([m for _, m in good], conn)
+                        self._reject(item, error)
+                results, conn = self._store_refusing(good, conn)
                 if results is None:  # stopped while the database was unreachable: not acknowledged
                     break
                 self.source.ack([i for i, _ in good])
