@@ -124,7 +124,7 @@ _STATES = {
     "HALTED": "bold red", "aborted": "bold red", "replay_failed": "bold red", "cancelled": "red",
     "open": "yellow", "paused": "yellow", "pending": "yellow", "running": "cyan", "replaying": "cyan",
     "ok": "green", "done": "green", "ran": "green", "replayed": "green", "resolved": "green",
-    "discarded": "dim",
+    "succeeded": "green", "failed": "red", "discarded": "dim", "skipped": "dim",
 }  # fmt: skip
 _ALARMS = {"failed": "bold red", "open": "bold red", "blocked_keys": "yellow", "held_messages": "yellow",
            "blocked": "yellow", "retrying": "yellow", "attempt": "yellow"}  # fmt: skip
