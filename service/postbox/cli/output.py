@@ -178,7 +178,12 @@ def table(
         if empty:
             console.print(Text(f"  {empty}" if title else empty, style="dim"))
         return
-    grid = Table(box=box.ROUNDED, header_style="bold", title=title, title_justify="left", title_style="bold")
+    grid = Table(
+        box=box.ROUNDED,
+        header_style="bold",
+        title=Text(title, style="bold") if title else None,  # a Text: no markup in titles or cells
+        title_justify="left",
+    )
     for _, header in cols:
         grid.add_column(header, overflow="fold")
     for r in rows:
