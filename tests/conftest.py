@@ -19,6 +19,7 @@ from psycopg.conninfo import conninfo_to_dict, make_conninfo
 from pytest_postgresql.janitor import DatabaseJanitor
 
 from postbox.schema import migrate
+from tests.kafka_broker import kafka_broker  # noqa: F401  (the session's Kafka broker, tests/kafka_broker.py)
 
 # Postbox processes started by tests log warnings and errors only (unless a test asks for more):
 # several tests read their stderr through a pipe only at the end, and a full pipe would block them.
