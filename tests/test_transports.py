@@ -207,7 +207,56 @@ def http_kind() -> Kind:
     )
 
 
-KINDS = {"rabbitmq": rabbitmq_kind, "redis": redis_kind, "nats": nats_kind, "http": http_kind}
+def kafka_kind() -> Kind:
+    """Kafka on a Tansu broker of its own, started at the first make(): it advertises the address
+    the transport is given, so that a test's proxy in front of it carries all the traffic (a Kafka
+    client otherwise connects to the advertised address, around the proxy). read() goes through that
+    address too, reopened if the test has closed its proxy."""
+    from tests.kafka_broker import Tansu, read_topic
+
+    topic = f"postbox-test-{uuid.uuid4().hex[:8]}"
+    broker = Tansu()
+
+    def make(h: str, p: int) -> Transport:
+        from postbox.outbox.transports.kafka import KafkaTransport
+
+        if broker.proc is None:
+            broker.advertised_port = p
+            broker.start()
+        return KafkaTransport(f"{h}:{p}", topic, {"message.timeout.ms": 3000})
+
+    def read() -> list[dict]:
+        reopened = None
+        if broker.advertised_port != broker.port:
+            reopened = Proxy("127.0.0.1", broker.port)
+            reopened.down()
+            reopened.port = broker.advertised_port
+            reopened.up()
+        try:
+            return [
+                {
+                    "message_id": r["headers"]["postbox-message-id"],
+                    "key": r["key"],
+                    "payload": r["payload"],
+                    "headers": r["headers"],
+                    "correlation_id": r["headers"].get("postbox-correlation-id"),
+                }
+                for r in read_topic(f"127.0.0.1:{broker.advertised_port}", topic)
+            ]
+        finally:
+            if reopened is not None:
+                reopened.down()
+
+    return Kind("kafka", broker.port, make, read, broker.kill)
+
+
+KINDS = {
+    "rabbitmq": rabbitmq_kind,
+    "redis": redis_kind,
+    "nats": nats_kind,
+    "http": http_kind,
+    "kafka": kafka_kind,
+}
 
 
 @pytest.fixture(params=sorted(KINDS))
