@@ -355,3 +355,35 @@ def test_bridge_killed_between_inbox_commit_and_offset_commit(database, kafka_br
         w.join()
     assert scalar(database.url, "SELECT count(DISTINCT message_id) FROM effects") == 30
     assert scalar(database.url, "SELECT count(*) FROM effects") == 30
+
+
+# --- configuration ---------------------------------------------------------------------------------
+
+
+def test_a_kafka_destination_from_the_config_file(monkeypatch):
+    """[destinations.NAME] kind = "kafka": librdkafka settings pass through, the SASL password comes
+    from the environment variable the file names and is masked from then on; settings that would
+    weaken delivery are refused with the setting named."""
+    from postbox.config.policies import build_transports, load_policies
+    from postbox.config.settings import mask_text
+    from postbox.errors import ConfigError
+
+    password = f"kafka-{uuid.uuid4().hex}"
+    monkeypatch.setenv("TEST_KAFKA_PASSWORD", password)
+    dest = {
+        "kind": "kafka", "bootstrap_servers": "k1:9093", "topic": "orders.{type}",
+        "sasl_password_env": "TEST_KAFKA_PASSWORD",
+        "settings": {"security.protocol": "SASL_SSL", "linger.ms": 5},
+    }  # fmt: skip
+    config = load_policies({"destinations": {"stream": dest}})
+    transport = build_transports(config, ["stream"], "postgresql://unused")["stream"]()
+    try:
+        assert transport.topic == "orders.{type}"
+        assert transport._config["sasl.password"] == password and transport._config["linger.ms"] == 5
+        assert transport._config["enable.idempotence"] is True and transport._config["acks"] == "all"
+    finally:
+        transport.close()
+    assert password not in mask_text(f"auth failed for {password}")
+    for weaker in ({"acks": 1}, {"enable.idempotence": False}):
+        with pytest.raises(ConfigError, match=next(iter(weaker))):
+            load_policies({"destinations": {"stream": {**dest, "settings": weaker}}})

@@ -130,8 +130,16 @@ def build_transports(config: PoliciesConfig, names: list[str], own_url: str) -> 
                 transport_class("redis"), dest.url, dest.stream or f"postbox:{name}", dest.maxlen
             )
         elif isinstance(dest, KafkaDestination):
+            settings: dict[str, Any] = dict(dest.settings)
+            for setting, env in (
+                ("sasl.password", dest.sasl_password_env),
+                ("ssl.key.password", dest.ssl_key_password_env),
+            ):
+                secret_value = _secret(env, f"destinations.{name}")
+                if secret_value is not None:
+                    settings[setting] = secret_value.decode()
             transports[name] = functools.partial(
-                transport_class("kafka"), dest.bootstrap_servers, dest.topic or name, dest.settings
+                transport_class("kafka"), dest.bootstrap_servers, dest.topic or name, settings
             )
         else:
             secret = _secret(dest.hmac_secret_env, f"destinations.{name}")

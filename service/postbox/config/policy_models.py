@@ -149,6 +149,12 @@ class KafkaDestination(_Destination):
     bootstrap_servers: str = Field(default="127.0.0.1:9092", min_length=1)
     topic: str | None = Field(default=None, pattern=r"^([A-Za-z0-9._-]|\{type\})+$")
     settings: dict[str, str | int | float | bool] = Field(default_factory=dict)
+    sasl_password_env: str | None = Field(
+        default=None, description="environment variable holding sasl.password"
+    )
+    ssl_key_password_env: str | None = Field(
+        default=None, description="environment variable holding ssl.key.password"
+    )
 
     @field_validator("settings")
     @classmethod
