@@ -13,6 +13,7 @@ from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
 from sqlalchemy import create_engine
 
+from postbox._version import SCHEMA_REVISION
 from postbox.config.settings import sqlalchemy_url
 from postbox.db.paths import sql_dir
 from postbox.schema import migrate
@@ -67,7 +68,7 @@ def test_upgrade_downgrade_upgrade_round_trip(empty_database):
     migrate.upgrade(url)
     first = _objects(url)
     assert ("rel", "inbox") in first and ("rel", "outbox") in first and ("rel", "dead_letters") in first
-    assert migrate.current_revision(url) == "0001"
+    assert migrate.current_revision(url) == SCHEMA_REVISION
     migrate.downgrade(url, "base")
     assert _objects(url) == set()
     assert migrate.current_revision(url) is None
@@ -102,7 +103,7 @@ def test_offline_ddl_applies_to_an_empty_database(empty_database):
     else:
         with psycopg.connect(empty_database.url, autocommit=True) as c:
             c.execute(out.encode())
-    assert migrate.current_revision(empty_database.url) == "0001"
+    assert migrate.current_revision(empty_database.url) == SCHEMA_REVISION
     assert _schema_diff(empty_database.url) == []
 
 
@@ -114,8 +115,8 @@ def test_cli_migrate_applies_and_reports(empty_database):
         text=True,
         check=True,
     )
-    assert "revision 0001" in result.stderr
-    assert migrate.current_revision(empty_database.url) == "0001"
+    assert f"revision {SCHEMA_REVISION}" in result.stderr
+    assert migrate.current_revision(empty_database.url) == SCHEMA_REVISION
 
 
 def _postbox(url: str, *args: str) -> subprocess.CompletedProcess[str]:
@@ -147,7 +148,7 @@ def test_migrate_check_exits_non_zero_while_an_upgrade_is_pending(empty_database
     assert pending.returncode == 1 and "database not migrated" in pending.stderr
     assert _postbox(empty_database.url, "migrate").returncode == 0
     done = _postbox(empty_database.url, "migrate", "--check")
-    assert done.returncode == 0 and "up to date (revision 0001)" in done.stderr
+    assert done.returncode == 0 and f"up to date (revision {SCHEMA_REVISION})" in done.stderr
     # SQLAlchemy's URL form is accepted as well.
     sa = _postbox(empty_database.url.replace("postgresql://", "postgresql+psycopg://"), "migrate", "--check")
     assert sa.returncode == 0, sa.stderr
@@ -176,7 +177,7 @@ def test_downgrade_to_base_refuses_to_delete_data_unless_forced_and_removes_the_
     refused = _postbox(database.url, "downgrade", "base")
     assert refused.returncode == 1
     assert "would delete live inbox messages (1)" in refused.stderr and "--force" in refused.stderr
-    assert migrate.current_revision(database.url) == "0001"
+    assert migrate.current_revision(database.url) == SCHEMA_REVISION
     forced = _postbox(database.url, "downgrade", "base", "--force")
     assert forced.returncode == 0, forced.stderr
     assert "schema postbox dropped" in forced.stderr

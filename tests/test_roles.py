@@ -64,7 +64,7 @@ TABLES: dict[str, frozenset[str]] = {
     "replay_jobs": READ_ALL,
     "replay_items": READ_ALL,
     "maintenance_runs": READ_ALL | {MAINTAINER},
-    "alembic_version": READ_ALL,
+    "alembic_version": READ_ALL | {WORKER, MAINTAINER},  # processes check the revision at start
 }
 
 VIEWS: dict[str, frozenset[str]] = dict.fromkeys(
@@ -116,7 +116,8 @@ FUNCTIONS: dict[str, frozenset[str]] = {
     "outbox_dead_letter_v1": frozenset({WORKER}),
     "outbox_release_v1": frozenset({WORKER}),
     # every long-running process
-    "worker_heartbeat_v1": frozenset({WORKER, MAINTAINER}),
+    "worker_heartbeat_v1": frozenset({WORKER, MAINTAINER}),  # 0.1.0 processes, during a rolling deploy
+    "worker_heartbeat_v2": frozenset({WORKER, MAINTAINER}),
     "reap_stale_workers_v1": frozenset({WORKER, MAINTAINER}),
     "worker_unregister_v1": frozenset({WORKER, MAINTAINER}),
     "metrics_snapshot_v1": frozenset({WORKER, MAINTAINER, OPERATOR, READER}),

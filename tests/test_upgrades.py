@@ -12,6 +12,7 @@ from types import ModuleType
 import psycopg
 import pytest
 
+from postbox._version import SCHEMA_REVISION
 from postbox.config.settings import sqlalchemy_url
 from postbox.db.paths import migrations_dir, sql_dir
 from postbox.schema import apply_sql, migrate
@@ -23,6 +24,7 @@ from postbox.schema.apply_sql import FrozenRevisionChanged, digest
 # released may have its pin updated.
 RELEASED = {
     "0001": "4b6ff8c2387f48d1abb8aad14f69c5fc9520fea511f59e60ed358c4cf0cbb56e",  # 0.1.0
+    "0002": "848f35b369ff253d085cfe18a3283fdeeae2effa68f1fa9f58f117f5d693032b",  # 0.2.0
 }
 
 
@@ -67,13 +69,50 @@ def test_a_changed_function_file_stops_the_migration_before_it_applies_anything(
     assert tables == (0,)
 
 
-def test_the_revision_files_name_no_sql_outside_the_package_data():
+@pytest.mark.parametrize("revision", migrate.known_revisions())
+def test_the_revision_files_name_no_sql_outside_the_package_data(revision):
     """What a revision reads is shipped: every file it names exists under sql/ or next to it."""
-    text = (migrations_dir() / "versions" / "0001_initial.py").read_text()
-    for name in _revision_module("0001").FUNCTIONS:
+    module = _revision_module(revision)
+    names = [module.FUNCTIONS] if isinstance(module.FUNCTIONS, str) else module.FUNCTIONS
+    for name in names:
         assert (sql_dir() / name).is_file(), name
-        assert name in text
     assert Path(sql_dir() / "roles_v1.sql").is_file()
+
+
+def test_the_schema_revision_the_code_needs_is_the_newest_it_ships():
+    assert migrate.head_revision() == SCHEMA_REVISION
+    assert migrate.known_revisions() == ["0001", "0002"]
+
+
+def _postbox(url: str, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "postbox", "--database-url", url, *args],
+        capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+
+
+def test_commands_on_the_previous_releases_schema_say_to_migrate(empty_database):
+    """A database left at 0001 (the previous release): every command that needs the schema says in
+    one line what to do, exits 1, no traceback; `migrate --check` fails the deploy pipeline; the DDL
+    of the step is printable for a DBA; `migrate` then makes it usable."""
+    url = empty_database.url
+    migrate.upgrade(url, "0001")
+    needs = f"schema at 0001, this postbox needs {SCHEMA_REVISION}: run 'postbox migrate'"
+    for args in (
+        ("status",),
+        ("dlq", "list"),
+        ("worker", "--consumer", "basic", "--app", "tests.apps.basic:registry", "--connect-timeout", "5"),
+        ("migrate", "--check"),
+    ):
+        result = _postbox(url, *args)
+        assert result.returncode == 1, (args, result.stderr)
+        assert needs in result.stderr, (args, result.stderr)
+        assert "Traceback" not in result.stderr
+    ddl = _postbox(url, "migrate", "--sql", "--from", "0001")
+    assert ddl.returncode == 0, ddl.stderr
+    assert "worker_heartbeat_v2" in ddl.stdout and "CREATE TABLE postbox.inbox" not in ddl.stdout
+    assert _postbox(url, "migrate").returncode == 0
+    assert _postbox(url, "status").returncode == 0
 
 
 USER_ENV_PY = """
@@ -139,10 +178,95 @@ def test_an_applications_own_alembic_project_runs_beside_postbox_migrations(empt
     assert done.returncode == 0, done.stderr
     with psycopg.connect(empty_database.url) as c:
         assert c.execute("SELECT version_num FROM public.alembic_version").fetchall() == [("a1",)]
-        assert c.execute("SELECT version_num FROM postbox.alembic_version").fetchall() == [("0001",)]
+        assert c.execute("SELECT version_num FROM postbox.alembic_version").fetchall() == [(SCHEMA_REVISION,)]
         assert c.execute("SELECT to_regclass('public.orders') IS NOT NULL").fetchone() == (True,)
     check = subprocess.run(
         [sys.executable, "-m", "postbox", "--database-url", empty_database.url, "migrate", "--check"],
         check=False, capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert check.returncode == 0, check.stderr
+
+
+# --- the previous release, for real ---------------------------------------------------------
+
+CATALOG = {
+    "columns": """SELECT table_name || '.' || column_name, concat_ws(' | ', ordinal_position, data_type,
+                         is_nullable, column_default, collation_name)
+                    FROM information_schema.columns WHERE table_schema = 'postbox'""",
+    "indexes": "SELECT indexname, indexdef FROM pg_indexes WHERE schemaname = 'postbox'",
+    "constraints": """SELECT conrelid::regclass || '.' || conname,
+                             concat_ws(' | ', pg_get_constraintdef(c.oid), condeferrable, condeferred)
+                        FROM pg_constraint c JOIN pg_namespace n ON n.oid = c.connamespace
+                       WHERE n.nspname = 'postbox'""",
+    "triggers": """SELECT tgrelid::regclass || '.' || tgname, pg_get_triggerdef(t.oid)
+                     FROM pg_trigger t JOIN pg_class r ON r.oid = t.tgrelid JOIN pg_namespace n ON n.oid = r.relnamespace
+                    WHERE n.nspname = 'postbox' AND NOT t.tgisinternal""",
+    "views": "SELECT viewname, definition FROM pg_views WHERE schemaname = 'postbox'",
+    "functions": """SELECT p.oid::regprocedure::text, concat_ws(' | ', pg_get_functiondef(p.oid), p.proacl::text,
+                           obj_description(p.oid, 'pg_proc'))
+                      FROM pg_proc p JOIN pg_namespace n ON n.oid = p.pronamespace WHERE n.nspname = 'postbox'""",
+    "relations": """SELECT c.relname, concat_ws(' | ', c.relkind, c.relacl::text, obj_description(c.oid, 'pg_class'))
+                      FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
+                     WHERE n.nspname = 'postbox' AND c.relkind IN ('r', 'v', 'm', 'p', 'S')""",
+    "column comments and grants": """SELECT c.relname || '.' || a.attname,
+                                            concat_ws(' | ', col_description(c.oid, a.attnum), a.attacl::text)
+                                       FROM pg_attribute a JOIN pg_class c ON c.oid = a.attrelid
+                                       JOIN pg_namespace n ON n.oid = c.relnamespace
+                                      WHERE n.nspname = 'postbox' AND a.attnum > 0 AND NOT a.attisdropped""",
+    "schema": "SELECT nspname, concat_ws(' | ', nspacl::text, obj_description(oid, 'pg_namespace')) FROM pg_namespace WHERE nspname = 'postbox'",
+}
+
+
+def _catalog(url: str) -> dict[str, dict[str, str]]:
+    with psycopg.connect(url) as c:
+        return {part: dict(c.execute(sql).fetchall()) for part, sql in CATALOG.items()}  # type: ignore[misc]
+
+
+@pytest.fixture(scope="module")
+def previous(tmp_path_factory):
+    from tests.previous_release import unpack
+
+    return unpack(tmp_path_factory.mktemp("release"))
+
+
+def test_a_database_upgraded_from_the_previous_release_is_identical_to_a_fresh_one(pg_server, previous):
+    """Built two ways: fresh at head by this postbox, and at 0001 by the released 0.1.0 (with
+    messages in it), then upgraded by this postbox. Tables, columns, indexes, constraints, triggers,
+    views, function bodies and their settings, grants and comments: no difference."""
+    from contextlib import contextmanager
+
+    from tests.conftest import _cloned
+
+    cloned = contextmanager(_cloned)
+    with cloned(pg_server, "postbox_fresh", None) as fresh, cloned(pg_server, "postbox_old", None) as old:
+        migrate.upgrade(fresh.url)
+        made = previous.postbox("--database-url", old.url, "migrate")
+        assert made.returncode == 0, made.stderr
+        assert migrate.current_revision(old.url) == "0001"
+        with psycopg.connect(old.url) as c:
+            c.execute("SELECT postbox.inbox_receive('c', 'm1', '{}'::jsonb, 'k')")
+            c.execute("SELECT postbox.outbox_publish('d', '{}'::jsonb, 'k')")
+        migrate.upgrade(old.url)
+        assert migrate.current_revision(old.url) == SCHEMA_REVISION
+        a, b = _catalog(fresh.url), _catalog(old.url)
+    for part in CATALOG:
+        only_fresh = {k: v for k, v in a[part].items() if b[part].get(k) != v}
+        only_upgraded = {k: v for k, v in b[part].items() if a[part].get(k) != v}
+        assert only_fresh == only_upgraded == {}, (
+            f"{part} differ:\nfresh: {only_fresh}\nupgraded: {only_upgraded}"
+        )
+    assert (
+        len(a["functions"]) > 50
+        and "worker_heartbeat_v2(text,text,text,text,integer,integer,text,text,boolean,timestamp with time zone)"
+        in str(a["functions"])
+    )
+
+
+def test_the_previous_release_keeps_working_on_the_new_schema_and_says_so(database, previous):
+    """After the upgrade, 0.1.0's commands run (its versioned functions are all still there) and say
+    that the schema is newer than they are; its migrate does not touch a schema it does not know."""
+    status = previous.postbox("--database-url", database.url, "status")
+    assert status.returncode == 0, status.stderr
+    assert "Traceback" not in status.stderr
+    check = previous.postbox("--database-url", database.url, "migrate", "--check")
+    assert "Traceback" not in check.stderr, check.stderr

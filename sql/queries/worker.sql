@@ -6,8 +6,9 @@ SELECT postbox.inbox_exhaust_v1(CAST(:id AS bigint), CAST(:attempt AS integer), 
                                 CAST(:max_attempts AS integer), :fingerprint, :policy, :worker);
 
 -- name: worker_heartbeat
-SELECT postbox.worker_heartbeat_v1(:id, :kind, :queue, :host, CAST(:pid AS integer),
-                                   CAST(:concurrency AS integer), :version, CAST(:now AS timestamptz));
+SELECT postbox.worker_heartbeat_v2(:id, :kind, :queue, :host, CAST(:pid AS integer),
+                                   CAST(:concurrency AS integer), :version, :schema_revision,
+                                   CAST(:stopping AS boolean), CAST(:now AS timestamptz));
 
 -- name: reap_stale_workers
 SELECT postbox.reap_stale_workers_v1(make_interval(secs => CAST(:stale_after AS double precision)),

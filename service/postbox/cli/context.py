@@ -16,6 +16,7 @@ from postbox.errors import ConfigError
 from postbox.operations.process import ProcessSpec, Service, StartupFailed, await_database, run_process
 
 __all__ = [
+    "checked_database_url",
     "connect_timeout_option",
     "database_url",
     "run_service",
@@ -49,6 +50,22 @@ def database_url(ctx: click.Context) -> str:
         raise ConfigError(NO_DATABASE)
     url = libpq_url(s.database_url.get_secret_value())
     ctx.ensure_object(dict)["url"] = url  # for the one-line diagnosis of a schema that is missing
+    return url
+
+
+def checked_database_url(ctx: click.Context) -> str:
+    """:func:`database_url` for a command that runs once and needs the schema: checked first, so that
+    a database never migrated, or one a release behind, is one line saying what to do (exit 1). A
+    schema newer than this Postbox works (its versioned functions stay); that is said on stderr."""
+    from postbox.schema.migrate import check_schema
+
+    url = database_url(ctx)
+    obj = ctx.find_root().ensure_object(dict)
+    if not obj.get("schema_checked"):
+        warning = check_schema(url)  # SchemaNotReady goes up to main: "postbox: <what to do>", exit 1
+        if warning:
+            click.echo(f"postbox: {warning}", err=True)
+        obj["schema_checked"] = True
     return url
 
 

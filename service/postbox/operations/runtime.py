@@ -91,10 +91,10 @@ def wait_for_database(
                 time.sleep(pause)
 
 
-def _version() -> str:
-    from postbox._version import __version__
+def _version() -> tuple[str, str]:
+    from postbox._version import SCHEMA_REVISION, __version__
 
-    return __version__
+    return __version__, SCHEMA_REVISION
 
 
 class Wakeup:
@@ -170,6 +170,7 @@ class Presence:
         self.stale_after = stale_after
         self.clock = clock
         self._stopping = stopping
+        self._finished = threading.Event()
         self._on_reaped = on_reaped
         self._last_ok: float | None = None
 
@@ -179,10 +180,12 @@ class Presence:
                 self.beat(own)
                 return
         now = self.clock.now()
+        version, revision = _version()
         conn.execute(
             query("worker_heartbeat").psycopg,
             {"id": self.id, "kind": self.kind, "queue": self.queue, "host": socket.gethostname(),
-             "pid": os.getpid(), "concurrency": self.concurrency, "version": _version(), "now": now},
+             "pid": os.getpid(), "concurrency": self.concurrency, "version": version,
+             "schema_revision": revision, "stopping": self._stopping.is_set(), "now": now},
         )  # fmt: skip
         self._last_ok = time.monotonic()
         row = conn.execute(
@@ -198,14 +201,20 @@ class Presence:
         return self._last_ok is not None and time.monotonic() - self._last_ok < self.stale_after
 
     def beat_forever(self) -> None:
-        """Run in a thread until stopping."""
-        while not self._stopping.wait(self.interval):
+        """Run in a thread until :meth:`finish`: also while the process drains (its row then says
+        stopping), so that no other process takes it for dead and re-runs its in-flight messages."""
+        while not self._finished.wait(self.interval):
             try:
                 self.beat()
             except psycopg.Error as error:
                 log.warning("heartbeat failed: %s", error)
 
+    def finish(self) -> None:
+        """The process has finished its work: stop beating (then :meth:`unregister`)."""
+        self._finished.set()
+
     def unregister(self) -> None:
+        self._finished.set()
         try:
             with psycopg.connect(self.url, autocommit=True, connect_timeout=5) as conn:
                 conn.execute(query("worker_unregister").psycopg, {"id": self.id})

@@ -164,6 +164,7 @@ class Relay(Embeddable):
         deadline = time.monotonic() + (self.settings.grace_period if grace is None else grace)
         for t in self._loops:
             t.join(max(0.0, deadline - time.monotonic()))
+        self.presence.finish()  # beat until here: a draining process is alive
         for t in self._helpers:
             t.join(5)
         for transport in self.transports.values():

@@ -254,6 +254,7 @@ workers = Table(
     Column("started_at", _TS, nullable=False, server_default=_NOW),
     Column("heartbeat_at", _TS, nullable=False, server_default=_NOW),
     Column("stopping_at", _TS),
+    Column("schema_revision", Text),  # revision 0002
 )
 
 _CLOCK = text("clock_timestamp()")

@@ -161,6 +161,7 @@ class Worker(Embeddable):
                 time.sleep(0.02)
             for slot in self._alive_slots():
                 self._abandon(slot, WorkerShutdown("the worker stopped while the handler was still running"))
+        self.presence.finish()  # beat until here: a draining process is alive
         for t in self._aux:
             t.join(5)
         self.presence.unregister()
