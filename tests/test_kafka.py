@@ -26,7 +26,7 @@ from postbox.outbox.bridge import Bridge
 from postbox.outbox.relay import Relay, RelaySettings
 from postbox.outbox.transports import OutboxRow, source_for
 from postbox.outbox.transports.kafka import KafkaTransport
-from tests.helpers import FAST_WORKER, REPO, eventually, scalar
+from tests.helpers import FAST_WORKER, REPO, eventually, scalar, spawn_postbox
 from tests.kafka_broker import FAST_GROUP, Tansu, read_topic
 
 pytest.importorskip("confluent_kafka")
@@ -387,3 +387,73 @@ def test_a_kafka_destination_from_the_config_file(monkeypatch):
     for weaker in ({"acks": 1}, {"enable.idempotence": False}):
         with pytest.raises(ConfigError, match=next(iter(weaker))):
             load_policies({"destinations": {"stream": {**dest, "settings": weaker}}})
+
+
+# --- the commands, and a group that rebalances -----------------------------------------------------
+
+
+def test_relay_and_bridge_commands_through_kafka(database, tmp_path, kafka_broker):
+    """`postbox relay` with a kind = "kafka" destination and `postbox bridge --from kafka://...`, as
+    processes: what the outbox holds arrives in the inbox (here the same database), each once."""
+    topic = kafka_broker.create_topic(f"cli-{uuid.uuid4().hex[:8]}", partitions=2)
+    config = tmp_path / "postbox.toml"
+    config.write_text(
+        f'[destinations.d]\nkind = "kafka"\nbootstrap_servers = "{kafka_broker.bootstrap}"\ntopic = "{topic}"\n'
+    )
+    write(database.url, [{"message_id": f"c{i}", "key": f"k{i % 3}", "payload": {"i": i}} for i in range(20)])
+    common = ("--database-url", database.url)
+    relay_proc = spawn_postbox("--config", str(config), *common, "relay", "--poll-interval", "0.05")
+    bridge_proc = spawn_postbox(
+        *common, "bridge", "--from", kafka_url(kafka_broker, f"g-{uuid.uuid4().hex[:6]}"),
+        "--name", topic, "--consumer", "orders",
+    )  # fmt: skip
+    try:
+        eventually(lambda: scalar(database.url, "SELECT count(*) FROM postbox.inbox") == 20, timeout=60)
+        assert scalar(database.url, "SELECT count(*) FROM postbox.outbox") == 0
+    finally:
+        for proc in (relay_proc, bridge_proc):
+            proc.send_signal(signal.SIGTERM)
+        for proc in (relay_proc, bridge_proc):
+            assert proc.wait(30) == 0
+    assert scalar(database.url, "SELECT string_agg(DISTINCT source, ',') FROM postbox.inbox") == topic
+
+
+def test_bridges_joining_and_leaving_a_group_lose_nothing_and_keep_key_order(database, kafka_broker):
+    """Records produced while a second bridge joins the group and the first one leaves (two
+    rebalances): every record is in the inbox once, and each key's records in the order produced."""
+    topic = kafka_broker.create_topic(f"rebalance-{uuid.uuid4().hex[:8]}", partitions=4)
+    url = kafka_url(kafka_broker, f"g-{uuid.uuid4().hex[:6]}")
+    records = [row(i, f"k{i % 16}") for i in range(240)]
+    t = KafkaTransport(kafka_broker.bootstrap, topic)
+
+    def produce(part: list[OutboxRow]) -> None:
+        assert t.publish(part) == [None] * len(part)
+
+    def received() -> int:
+        return scalar(database.url, "SELECT count(*) FROM postbox.inbox")
+
+    first = run_bridge(database.url, source_for(url, topic))
+    second = None
+    try:
+        produce(records[:80])
+        eventually(lambda: received() >= 40)
+        second = run_bridge(database.url, source_for(url, topic))
+        produce(records[80:160])
+        first_source, second_source = first[0].source, second[0].source
+        eventually(lambda: second_source._assigned, what="the second bridge given partitions")
+        eventually(lambda: len(first_source._assigned) < 4, what="the first bridge giving some up")
+        stop(*first)
+        produce(records[160:])
+        eventually(lambda: received() == 240, timeout=60)
+    finally:
+        t.close()
+        stop(*first)
+        if second is not None:
+            stop(*second)
+    with psycopg.connect(database.url) as c:
+        rows_in = c.execute("SELECT key, message_id FROM postbox.inbox ORDER BY id").fetchall()
+    assert len({m for _, m in rows_in}) == 240
+    order: dict[str, list[str]] = {}
+    for key, message_id in rows_in:
+        order.setdefault(key, []).append(message_id)
+    assert order == {k: [r.message_id for r in records if r.key == k] for k in order}

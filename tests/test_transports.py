@@ -223,7 +223,7 @@ def kafka_kind() -> Kind:
         if broker.proc is None:
             broker.advertised_port = p
             broker.start()
-        return KafkaTransport(f"{h}:{p}", topic, {"message.timeout.ms": 3000})
+        return KafkaTransport(f"{h}:{p}", topic, {"message.timeout.ms": 1500})
 
     def read() -> list[dict]:
         reopened = None

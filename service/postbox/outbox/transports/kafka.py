@@ -358,16 +358,8 @@ class KafkaSource:
                 self._dlq.close()
 
 
-_CONSUMER_ONLY = (
-    "group.",
-    "auto.",
-    "fetch.",
-    "session.",
-    "heartbeat.",
-    "max.poll",
-    "partition.",
-    "isolation.",
-)
+# Consumer settings (by prefix) not given to the dead-letter producer.
+_CONSUMER_ONLY = ("group.", "auto.", "fetch.", "session.", "heartbeat.", "max.poll", "partition.")
 
 
 TRANSPORT = KafkaTransport
