@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 
+from postbox._version import __version__
 from tests.checker import REPO
 
 
@@ -77,7 +78,7 @@ def test_password_never_appears_in_error_output(tmp_path):
 
 def test_version_and_short_help_everywhere():
     r = postbox("--version")
-    assert r.returncode == 0 and r.stdout.strip() == "postbox 0.1.0"
+    assert r.returncode == 0 and r.stdout.strip() == f"postbox {__version__}"
     for args in (("-h",), ("worker", "-h"), ("dlq", "list", "-h"), ("replay", "run", "-h")):
         r = postbox(*args)
         assert r.returncode == 0 and "Usage:" in r.stdout, args

@@ -686,25 +686,7 @@ def test_the_shipping_worker_of_the_compose_file_records_a_shipment(compose_data
     assert worker.returncode == 0
 
 
-# The schema check at start (postbox.schema.migrate) reads postbox.alembic_version, which only the
-# operator and reader roles may read: a worker, relay, bridge or maintenance process started by the
-# CLI as a login of postbox_worker or postbox_maintainer exits with "permission denied for table
-# alembic_version". Until that is fixed these cases are expected to fail (strict: a fix shows up).
-class SchemaCheckRefused(Exception):
-    """The process exited: its login may not read postbox.alembic_version."""
-
-
-SCHEMA_CHECK_REFUSED = pytest.mark.xfail(
-    raises=SchemaCheckRefused,
-    strict=True,
-    reason="the start-up schema check reads postbox.alembic_version, refused to these roles",
-)
-
-
-@pytest.mark.parametrize(
-    "name",
-    [pytest.param(n, marks=SCHEMA_CHECK_REFUSED) if n != "replay-runner" else n for n in RUNNING_SERVICES],
-)
+@pytest.mark.parametrize("name", RUNNING_SERVICES)
 def test_every_running_service_becomes_healthy_as_its_login(name, compose_database, monkeypatch, tmp_path):
     """Each long-running service of the compose file, its command line run as its own login (the
     brokers mapped to this machine's, the bridge's queue renamed), passes its own healthcheck (its
@@ -718,10 +700,7 @@ def test_every_running_service_becomes_healthy_as_its_login(name, compose_databa
 
         def healthy() -> bool:
             if process.poll() is not None:
-                stderr = process.communicate()[1].decode()
-                if "permission denied for table alembic_version" in stderr:
-                    raise SchemaCheckRefused(stderr.strip().splitlines()[-1])
-                raise AssertionError(f"{name} exited: {stderr}")
+                raise AssertionError(f"{name} exited: {process.communicate()[1].decode()}")
             return _healthy(name, port)
 
         eventually(healthy, timeout=60, interval=0.2, what=f"{name} healthy")

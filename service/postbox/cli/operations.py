@@ -172,7 +172,7 @@ def status(ctx: click.Context, watch: bool, interval: float, as_json: bool) -> N
     and running replays, at a glance."""
     from postbox.operations.status import collect_status
 
-    url = _url(ctx)
+    url = cli_context.checked_database_url(ctx)
     with psycopg.connect(url, connect_timeout=10, application_name="postbox-status") as conn:
         while True:
             data = mask_secrets(collect_status(conn))

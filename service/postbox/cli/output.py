@@ -20,7 +20,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from postbox.cli.context import database_url
+from postbox.cli.context import checked_database_url
 from postbox.deadletters.ops import DeadLetterFilter
 from postbox.errors import InvalidRequest
 
@@ -47,7 +47,9 @@ __all__ = [
 def connection(ctx: click.Context) -> Iterator[psycopg.Connection[Any]]:
     """An autocommit connection to the configured database; bad input becomes a clean error."""
     try:
-        with psycopg.connect(database_url(ctx), autocommit=True, application_name="postbox cli") as conn:
+        with psycopg.connect(
+            checked_database_url(ctx), autocommit=True, application_name="postbox cli"
+        ) as conn:
             yield conn
     except InvalidRequest as error:
         raise click.ClickException(str(error)) from None

@@ -12,7 +12,7 @@ from typing import Any
 
 import click
 
-from postbox.cli.context import connect_timeout_option, database_url, run_service
+from postbox.cli.context import checked_database_url, connect_timeout_option, database_url, run_service
 from postbox.cli.output import actor_option, connection, emit, emit_json, json_option, reason_option
 from postbox.cli.progress import progress_bar
 from postbox.deadletters import replay
@@ -67,7 +67,7 @@ def watching(job_id: int, as_json: bool) -> Iterator[Callable[[ReplayJob], None]
 
 
 def run_in_foreground(ctx: click.Context, job_id: int, as_json: bool) -> ReplayJob:
-    runner = ReplayRunner(database_url(ctx), runner_id=f"cli-{os.getpid()}")
+    runner = ReplayRunner(checked_database_url(ctx), runner_id=f"cli-{os.getpid()}")
 
     def on_signal(signum: int, frame: object) -> None:
         runner.stop()
