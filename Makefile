@@ -43,7 +43,7 @@ demo: install
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache .hypothesis bench-results
 
-# Fault injection (tests/chaos): every fault F1..F5 for CHAOS_ITERATIONS cycles (default 20), a
+# Fault injection (tests/chaos): every fault F1..F7 for CHAOS_ITERATIONS cycles (default 20), a
 # table of the figures, and bench-results/chaos-*.json. Needs the brokers of `make test`.
 chaos: install
 	$(BIN)/python -m tests.chaos

@@ -24,7 +24,8 @@ SELECT c.name,
 -- name: status_workers
 SELECT kind, coalesce(queue, ''), host, pid, concurrency,
        extract(epoch FROM CAST(:now AS timestamptz) - heartbeat_at)::float8 AS heartbeat_age,
-       (SELECT count(*) FROM postbox.inbox i WHERE i.state = 'running' AND i.claimed_by = w.id) AS in_flight
+       (SELECT count(*) FROM postbox.inbox i WHERE i.state = 'running' AND i.claimed_by = w.id) AS in_flight,
+       coalesce(version, ''), coalesce(schema_revision, '0001'), stopping_at IS NOT NULL AS stopping
   FROM postbox.workers w ORDER BY kind, queue, host, pid;
 
 -- name: status_dead_letter_groups

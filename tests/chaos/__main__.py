@@ -1,4 +1,4 @@
-"""``python -m tests.chaos`` (``make chaos``): every fault F1..F6 for ``CHAOS_ITERATIONS`` cycles
+"""``python -m tests.chaos`` (``make chaos``): every fault F1..F7 for ``CHAOS_ITERATIONS`` cycles
 (default 20) under steady load, then a table of the figures; results go to
 ``bench-results/chaos-<time>.json``. ``CHAOS_FAULTS`` (e.g. ``F1,F4``) picks faults;
 ``CHAOS_KEYS`` sets the keys per producer thread (default 40);
@@ -52,8 +52,8 @@ COLUMNS = [
 ]
 
 
-def _database(server_url: str) -> str:
-    """A new database on the server of ``server_url``, migrated; its postgresql:// URL."""
+def _database(server_url: str, *, migrated: bool = True) -> str:
+    """A new database on the server of ``server_url``, migrated unless not ``migrated``; its URL."""
     name = f"postbox_chaos_{uuid.uuid4().hex[:8]}"
     with psycopg.connect(server_url, autocommit=True) as c:
         c.execute(f'CREATE DATABASE "{name}"')
@@ -62,7 +62,8 @@ def _database(server_url: str) -> str:
     user = params.get("user", "postgres")
     auth = f"{user}:{params['password']}@" if params.get("password") else f"{user}@"
     url = f"postgresql://{auth}{params.get('host', '127.0.0.1')}:{params.get('port', '5432')}/{name}"
-    migrate.upgrade(url)
+    if migrated:
+        migrate.upgrade(url)
     return url
 
 
@@ -95,7 +96,7 @@ def main() -> int:
     try:
         for fault in faults:
             server = cluster.url() if fault.needs_cluster or not shared else make_conninfo(shared)
-            url = _database(server)
+            url = _database(server, migrated=not fault.from_previous_release)
             print(f"{fault.name}: {fault.description} x {iterations} ...", flush=True)
             try:
                 result = run_fault(fault, url, iterations=iterations, cluster=cluster, keys=keys)

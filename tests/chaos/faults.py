@@ -1,4 +1,4 @@
-"""The faults F1..F6 of the chaos harness, as inject/heal pairs acting on a ``Rig``."""
+"""The faults F1..F7 of the chaos harness, as inject/heal pairs acting on a ``Rig``."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import psycopg
 
 from tests.chaos.harness import Fault, Rig
 from tests.chaos.load import PRODUCER_APP
+from tests.helpers import REPO
 
 
 def _busy_pids(rig: Rig) -> set[int]:
@@ -174,4 +175,37 @@ F6_BATCH1 = _misbehaving(1)
 F6_BATCH10 = _misbehaving(10)
 MISBEHAVING = [F6_BATCH1, F6_BATCH10]
 
-ALL = [F1, F2, F3, F4_IMMEDIATE, F4_FAST, F5, *MISBEHAVING]
+
+# F7: a rolling deploy under load. The run starts at the previous release (its schema, workers and
+# relay); the first injection upgrades the schema with this release while they work, then each one
+# replaces one process of the previous release by one of this release (SIGTERM: it drains; its
+# replacement starts as this release), the workers first; once none is left, a kill -9.
+def _roll(rig: Rig) -> None:
+    from postbox._version import SCHEMA_REVISION
+    from postbox.schema import migrate
+
+    if migrate.current_revision(rig.url) != SCHEMA_REVISION:
+        migrate.upgrade(rig.url)
+        rig.note("schema upgraded under load")
+    for group in (rig.workers, rig.relays):
+        group.env["PYTHONPATH"] = str(REPO)  # what starts from now on is this release
+        previous = [p for p in group.alive() if group.release_of.get(p.pid) != str(REPO)]
+        if previous:
+            rig.rng.choice(previous).send_signal(signal.SIGTERM)
+            rig.note(f"{group.name} of the previous release replaced")
+            return
+    _kill_worker(rig)
+
+
+F7 = Fault(
+    "F7 rolling upgrade",
+    "the schema upgraded from the previous release under load, then its workers and relay replaced"
+    " one by one by this release's (SIGTERM, drain), then kill -9",
+    _roll,
+    _noop,
+    hold=1.0,
+    gap=1.5,
+    from_previous_release=True,
+)
+
+ALL = [F1, F2, F3, F4_IMMEDIATE, F4_FAST, F5, *MISBEHAVING, F7]

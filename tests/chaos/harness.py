@@ -18,6 +18,7 @@ from typing import IO, Any
 
 import psycopg
 
+from tests import previous_release
 from tests.apps.chaos import CONSUMER, DESTINATION
 from tests.chaos.load import BrokerLog, ProducerLog, Producers
 from tests.chaos.pgcluster import PrivateCluster
@@ -55,6 +56,7 @@ class Processes:
         self.expected_exits = expected_exits
         self.args = [sys.executable, "-m", "postbox", *args]
         self.env = {**os.environ, "PYTHONPATH": str(REPO), **env}
+        self.release_of: dict[int, str] = {}  # pid -> the PYTHONPATH (release) it was started with
         self.logdir = logdir
         self.spawned = 0
         self.restarts = 0
@@ -72,6 +74,7 @@ class Processes:
         self._logs.append(log)
         p = subprocess.Popen(self.args, env=self.env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=log)
         self._log_of[p.pid] = self.spawned
+        self.release_of[p.pid] = self.env["PYTHONPATH"]
         return p
 
     def log_tail(self, index: int, chars: int = 2000) -> str:
@@ -178,6 +181,8 @@ class Fault:
     needs_cluster: bool = False
     worker_args: tuple[str, ...] = ()
     expected_exits: tuple[int, ...] = ()
+    # Start at the previous release: its schema (migrated by it) and its workers and relay.
+    from_previous_release: bool = False
 
 
 @dataclass
@@ -258,12 +263,18 @@ def run_fault(
     seed: int = 1,
 ) -> Result:
     """Run ``fault`` ``iterations`` times under load against the migrated database at ``url``."""
-    with psycopg.connect(url, autocommit=True) as c:
-        c.execute(EFFECTS_DDL)
     queue = f"postbox-chaos-{uuid.uuid4().hex[:8]}"
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="postbox-chaos-") as tmp:
         logdir = Path(tmp)
+        release_env: dict[str, str] = {}
+        if fault.from_previous_release:
+            previous = previous_release.unpack(logdir)
+            made = previous.postbox("--database-url", url, "migrate")
+            assert made.returncode == 0, made.stderr
+            release_env = {"PYTHONPATH": previous.env["PYTHONPATH"]}
+        with psycopg.connect(url, autocommit=True) as c:
+            c.execute(EFFECTS_DDL)
         config = logdir / "relay.toml"
         proxy = Proxy("127.0.0.1", 5672)
         _relay_config(config, proxy.port, queue)
@@ -275,6 +286,7 @@ def run_fault(
             "CHAOS_FAIL_RATE": "0.03",
             "CHAOS_DATABASE_URL": url,
             **fault.env,
+            **release_env,
         }
         workers = Processes(
             "worker",
@@ -286,7 +298,11 @@ def run_fault(
             fault.expected_exits,
         )  # fmt: skip
         relays = Processes(
-            "relay", ["--config", str(config), "--database-url", url, "relay", *RELAY_ARGS], 1, {}, logdir
+            "relay",
+            ["--config", str(config), "--database-url", url, "relay", *RELAY_ARGS],
+            1,
+            release_env,
+            logdir,
         )
         rig = Rig(url, workers, relays, proxy, cluster, random.Random(seed))
         log = ProducerLog()

@@ -11,7 +11,7 @@ import psycopg
 from postbox.clock import Clock, SystemClock
 from postbox.db import query
 
-__all__ = ["collect_status", "render_status"]
+__all__ = ["collect_status"]
 
 
 def _rows(conn: psycopg.Connection[Any], name: str, now: datetime) -> list[tuple[Any, ...]]:
@@ -31,7 +31,8 @@ def collect_status(conn: psycopg.Connection[Any], clock: Clock | None = None) ->
     ]  # fmt: skip
     workers = [
         {"kind": r[0], "queue": r[1], "host": r[2], "pid": r[3], "concurrency": r[4],
-         "heartbeat_age_seconds": round(r[5], 1), "in_flight": r[6]}
+         "heartbeat_age_seconds": round(r[5], 1), "in_flight": r[6], "version": r[7],
+         "schema_revision": r[8], "state": "draining" if r[9] else "running"}
         for r in _rows(conn, "status_workers", now)
     ]  # fmt: skip
     dead_letters = [
@@ -67,79 +68,3 @@ def collect_status(conn: psycopg.Connection[Any], clock: Clock | None = None) ->
         "replays": replays,
         "maintenance": maintenance,
     }
-
-
-def _age(seconds: float | None) -> str:
-    if seconds is None:
-        return "never"
-    if seconds < 120:
-        return f"{seconds:.1f}s"
-    if seconds < 7200:
-        return f"{seconds / 60:.0f}m"
-    if seconds < 172800:
-        return f"{seconds / 3600:.1f}h"
-    return f"{seconds / 86400:.1f}d"
-
-
-def _table(headers: list[str], rows: list[list[Any]]) -> list[str]:
-    cells = [headers, *[[str(c) for c in r] for r in rows]]
-    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
-    return ["  " + "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in cells]
-
-
-def render_status(s: dict[str, Any]) -> str:
-    """The status as text for a terminal."""
-    out = [f"Postbox status at {s['at']}", "", "Consumers"]
-    if s["consumers"]:
-        out += _table(
-            ["consumer", "ready", "running", "pending", "retrying", "blocked keys", "lag", "in/min", "done", "state"],
-            [[c["name"], c["ready"], c["running"], c["pending"], c["retrying"], c["blocked_keys"],
-              _age(c["lag_seconds"]), c["received_last_minute"], c["received_last_minute_done"],
-              "HALTED" if c["halted"] else "ok"]
-             for c in s["consumers"]],
-        )  # fmt: skip
-    else:
-        out.append("  (none)")
-    out += ["", "Live processes"]
-    if s["workers"]:
-        out += _table(
-            ["kind", "queue", "host", "pid", "slots", "heartbeat", "in flight"],
-            [[w["kind"], w["queue"], w["host"], w["pid"], w["concurrency"], _age(w["heartbeat_age_seconds"]),
-              w["in_flight"]] for w in s["workers"]],
-        )  # fmt: skip
-    else:
-        out.append("  (none)")
-    open_total = sum(d["open"] for d in s["dead_letters"])
-    out += ["", f"Dead letters: {open_total} open"]
-    if s["dead_letters"]:
-        out += _table(
-            ["origin", "queue", "type", "reason", "open", "oldest", "latest error"],
-            [[d["origin"], d["queue"], d["type"], d["reason"], d["open"], _age(d["oldest_age_seconds"]),
-              d["latest_error"][:60]] for d in s["dead_letters"]],
-        )  # fmt: skip
-    out += ["", "Relay backlog"]
-    if s["relay"]:
-        out += _table(
-            ["destination", "rows", "ready", "in flight", "retrying", "blocked", "oldest"],
-            [[r["destination"], r["rows"], r["ready"], r["in_flight"], r["retrying"], r["blocked"],
-              _age(r["oldest_age_seconds"])] for r in s["relay"]],
-        )  # fmt: skip
-    else:
-        out.append("  (empty)")
-    if s["replays"]:
-        out += ["", "Replays"]
-        out += _table(
-            ["id", "state", "total", "replayed", "succeeded", "failed"],
-            [
-                [r["id"], r["state"], r["total"], r["replayed"], r["succeeded"], r["failed"]]
-                for r in s["replays"]
-            ],
-        )
-    if s["maintenance"]:
-        out += ["", "Maintenance"]
-        out += _table(
-            ["job", "runs", "last success", "last error"],
-            [[m["job"], m["runs"], _age(m["last_success_age_seconds"]), (m["last_error"] or "")[:60]]
-             for m in s["maintenance"]],
-        )  # fmt: skip
-    return "\n".join(out) + "\n"
