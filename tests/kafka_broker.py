@@ -95,6 +95,11 @@ class Tansu:
             self.proc.wait(10)
         self.proc = None
 
+    def close(self) -> None:
+        """Kill it for good, and remove its log."""
+        self.kill()
+        self.log.unlink(missing_ok=True)
+
     def create_topic(self, name: str, partitions: int = 1) -> str:
         from confluent_kafka.admin import AdminClient, NewTopic
 
@@ -142,4 +147,4 @@ def kafka_broker() -> Iterator[Tansu]:
     try:
         yield broker
     finally:
-        broker.kill()
+        broker.close()

@@ -163,7 +163,7 @@ def test_broker_killed_is_retried_and_delivered_after_restart(database):
     finally:
         r.stop()
         r.join()
-        broker.kill()
+        broker.close()
     assert scalar(database.url, "SELECT count(*) FROM postbox.dead_letters") == 0
     arrived: dict[str, list[str]] = {}
     for rec in records:

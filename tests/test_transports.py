@@ -247,7 +247,7 @@ def kafka_kind() -> Kind:
             if reopened is not None:
                 reopened.down()
 
-    return Kind("kafka", broker.port, make, read, broker.kill)
+    return Kind("kafka", broker.port, make, read, broker.close)
 
 
 KINDS = {
