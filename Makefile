@@ -11,7 +11,7 @@ PYTEST_ARGS ?=
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -e '.[all,binary,embedded,dev]'
+	$(BIN)/pip install -q -e '.[all,binary,embedded,console,dev]'
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -28,7 +28,7 @@ test: lint
 BENCH_STAMP := $(VENV)/.bench-stamp
 
 $(BENCH_STAMP): $(STAMP)
-	$(BIN)/pip install -q -e '.[all,binary,embedded,dev,bench]'
+	$(BIN)/pip install -q -e '.[all,binary,embedded,console,dev,bench]'
 	touch $(BENCH_STAMP)
 
 bench: $(BENCH_STAMP)
