@@ -33,7 +33,11 @@ _url = cli_context.database_url
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "auto_envvar_prefix": "POSTBOX"})
 @click.version_option(__version__, "-V", "--version", prog_name="postbox", message="%(prog)s %(version)s")
 @click.option("--config", type=click.Path(path_type=Path), help="TOML configuration file.")
-@click.option("--database-url", envvar="POSTBOX_DATABASE_URL", help="PostgreSQL URL (default: embedded).")
+@click.option(
+    "--database-url",
+    envvar="POSTBOX_DATABASE_URL",
+    help="PostgreSQL URL, e.g. postgresql://USER@HOST:5432/DATABASE (every command needs one but the demo, which starts an embedded PostgreSQL without it); better from the environment than on the command line, where ps shows a password.",
+)
 @observability_options
 @click.pass_context
 def cli(
