@@ -45,12 +45,14 @@ def fresh_database(cluster: PrivateCluster) -> str:
 @pytest.mark.parametrize(
     "fault",
     # F7 (a rolling upgrade) runs in `make chaos`; here tests/test_upgrade_under_load.py covers it.
+    # F5 twice: the relay's broker RabbitMQ, then Kafka (a Tansu broker the run starts).
     [f for f in ALL if not f.needs_cluster and f not in MISBEHAVING and not f.from_previous_release],
-    ids=lambda f: f.name.split()[0],
+    ids=lambda f: f.name.split()[0] + ("-kafka" if f.broker == "kafka" else ""),
 )
 def test_fault_keeps_every_invariant(fault: Fault, database) -> None:
     """Under F1 (kill -9 at every point), F2 (SIGSTOP past the lease and time limit), F3
-    (pg_terminate_backend on worker, relay and producer connections) and F5 (broker cut): nothing
+    (pg_terminate_backend on worker, relay and producer connections) and F5 (the relay's broker cut,
+    RabbitMQ or Kafka): nothing
     lost, no duplicate effect, per-key order gap-free, attempts within policy, every outbox event
     delivered in per-key order, and the backlog drains within the bound after the last heal."""
     result = run_fault(fault, database.url, iterations=QUICK_ITERATIONS, drain_bound=60)

@@ -1,4 +1,5 @@
-"""The faults F1..F7 of the chaos harness, as inject/heal pairs acting on a ``Rig``."""
+"""The faults F1..F7 of the chaos harness, as inject/heal pairs acting on a ``Rig``; F5 twice, for
+RabbitMQ and for Kafka."""
 
 from __future__ import annotations
 
@@ -135,6 +136,23 @@ F5 = Fault(
     hold=2.0,
     gap=1.0,
 )
+# The same cut in front of Kafka (a Tansu broker of the run's own, tests/chaos/kafka.py). The issue
+# asks for the broker killed and restarted; Tansu here keeps its log in memory only, so a restarted
+# broker would come back without the topic and the records already written (the reader would see
+# them lost though the relay did its part): cutting the broker off the network is the outage that
+# keeps it honest. The relay's delivery timeout (2 s) is shorter than the cut, so in-flight records
+# fail, the broker fences the producer and the relay makes a new one.
+F5_KAFKA = Fault(
+    "F5 kafka broker outage",
+    "the TCP proxy in front of a Kafka broker (Tansu, which every client reaches through it) cut for"
+    " 2 s: open connections reset, new ones refused (a network outage rather than a restart: Tansu"
+    " keeps its log in memory only, a restart would empty it)",
+    _proxy_down,
+    _proxy_up,
+    hold=2.0,
+    gap=1.0,
+    broker="kafka",
+)
 
 # F6: handlers that misbehave (tests/apps/chaos.py, ``KINDS``), all the time rather than in windows:
 # an iteration is a stretch of load. A 1 s time limit; stuck code ends after 3.5 s (abandoned at
@@ -208,4 +226,4 @@ F7 = Fault(
     from_previous_release=True,
 )
 
-ALL = [F1, F2, F3, F4_IMMEDIATE, F4_FAST, F5, *MISBEHAVING, F7]
+ALL = [F1, F2, F3, F4_IMMEDIATE, F4_FAST, F5, F5_KAFKA, *MISBEHAVING, F7]

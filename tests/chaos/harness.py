@@ -20,10 +20,13 @@ import psycopg
 
 from tests import previous_release
 from tests.apps.chaos import CONSUMER, DESTINATION
+from tests.chaos import kafka as chaos_kafka
+from tests.chaos.kafka import KafkaBrokerLog
 from tests.chaos.load import BrokerLog, ProducerLog, Producers
 from tests.chaos.pgcluster import PrivateCluster
 from tests.chaos.verdict import EFFECTS_DDL, Verdict, check
 from tests.helpers import REPO, eventually
+from tests.kafka_broker import Tansu
 from tests.proxy import Proxy
 
 APP = "tests.apps.chaos:registry"
@@ -183,6 +186,9 @@ class Fault:
     expected_exits: tuple[int, ...] = ()
     # Start at the previous release: its schema (migrated by it) and its workers and relay.
     from_previous_release: bool = False
+    # The relay's destination: "rabbitmq" (the machine's, through the proxy) or "kafka" (a Tansu
+    # broker of the run's own, behind the proxy: tests/chaos/kafka.py).
+    broker: str = "rabbitmq"
 
 
 @dataclass
@@ -234,7 +240,14 @@ def _stuck(url: str) -> str:
     return "\n".join(parts)
 
 
-def _drained(url: str, broker: BrokerLog) -> bool:
+def _failed_sends(url: str) -> int:
+    """How many of the relay's sends failed (and were retried)."""
+    with psycopg.connect(url, autocommit=True) as c:
+        row = c.execute("SELECT count(*) FROM postbox.attempts WHERE origin = 'outbox'").fetchone()
+    return int(row[0]) if row else 0
+
+
+def _drained(url: str, broker: BrokerLog | KafkaBrokerLog) -> bool:
     try:
         with psycopg.connect(url, autocommit=True, connect_timeout=3) as c:
             row = c.execute(
@@ -276,9 +289,16 @@ def run_fault(
         with psycopg.connect(url, autocommit=True) as c:
             c.execute(EFFECTS_DDL)
         config = logdir / "relay.toml"
-        proxy = Proxy("127.0.0.1", 5672)
-        _relay_config(config, proxy.port, queue)
-        broker = BrokerLog(queue)
+        kafka: Tansu | None = None
+        broker: BrokerLog | KafkaBrokerLog
+        if fault.broker == "kafka":
+            kafka, proxy = chaos_kafka.start_broker()
+            chaos_kafka.relay_config(config, DESTINATION, proxy.port, queue)
+            broker = KafkaBrokerLog(kafka, queue)
+        else:
+            proxy = Proxy("127.0.0.1", 5672)
+            _relay_config(config, proxy.port, queue)
+            broker = BrokerLog(queue)
         broker.start()
         env = {
             "CHAOS_MAX_ATTEMPTS": str(MAX_ATTEMPTS),
@@ -333,8 +353,10 @@ def run_fault(
             producers.stop()
             workers.stop()
             relays.stop()
-            proxy.down()
             broker.stop()
+            proxy.down()
+            if kafka is not None:
+                kafka.close()
         verdict = check(
             url,
             CONSUMER,
@@ -349,6 +371,8 @@ def run_fault(
         notes["late completions refused by the fence"] = workers.count_in_logs("claims lost for")
         if "CHAOS_MISBEHAVE_RATE" in env:
             notes["slots abandoned"] = workers.count_in_logs('"event": "handler_abandoned"')
+        if fault.broker == "kafka":
+            notes["relay attempts failed"] = _failed_sends(url)
         notes = {k: v for k, v in notes.items() if v}
         if drain is None:
             worker_tail = workers.log_tail(workers.spawned)

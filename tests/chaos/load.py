@@ -70,7 +70,8 @@ class Producers:
     def stop(self) -> None:
         self._halt.set()
         for t in self._threads:
-            t.join(30)
+            if t.ident is not None:  # started (a run that failed before the load began did not)
+                t.join(30)
 
     def _connect(self) -> psycopg.Connection[Any] | None:
         try:

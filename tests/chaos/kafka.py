@@ -1,0 +1,93 @@
+"""Kafka for the chaos harness (F5 kafka): a Tansu broker of the run's own behind the TCP proxy, the
+relay's destination config, and a reader that logs what reached the topic.
+
+The broker advertises the proxy's address, so that every client (the relay, and this reader too)
+goes through the proxy: a Kafka client connects to the address the broker advertises, whatever it
+bootstrapped from. Cutting the proxy is the broker's outage. Its storage is in memory (the only
+one Tansu's build here has): a broker killed and restarted would come back without the topic and
+the records already written, so the outage is a network cut rather than a restart.
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+from tests.chaos.load import Delivery
+from tests.kafka_broker import Tansu
+from tests.proxy import Proxy
+
+PARTITIONS = 3
+# Short delivery timeout (a cut fails the batch's records transiently, the relay retries them) and
+# reconnect backoff (the relay and the reader reconnect within a second of the proxy coming back).
+RELAY_SETTINGS = '{ "message.timeout.ms" = 2000, "reconnect.backoff.max.ms" = 500 }'
+
+
+def start_broker() -> tuple[Tansu, Proxy]:
+    """A Tansu broker advertising the address of a proxy in front of it, both running."""
+    broker = Tansu()
+    proxy = Proxy("127.0.0.1", broker.port)
+    broker.advertised_port = proxy.port
+    broker.start()
+    return broker, proxy
+
+
+def relay_config(path: Path, destination: str, proxy_port: int, topic: str) -> None:
+    path.write_text(
+        f"[destinations.{destination}]\n"
+        'kind = "kafka"\n'
+        f'bootstrap_servers = "127.0.0.1:{proxy_port}"\n'
+        f'topic = "{topic}"\n'
+        f"settings = {RELAY_SETTINGS}\n"
+        'retry = { strategy = "exponential_full_jitter", base_delay = 0.05, max_delay = 0.5,'
+        " max_attempts = 100000 }\n"
+    )
+
+
+class KafkaBrokerLog(threading.Thread):
+    """Reads every partition of ``topic`` from its first offset (no consumer group, nothing
+    committed) and logs every record, in the order each partition gives them."""
+
+    def __init__(self, broker: Tansu, topic: str) -> None:
+        super().__init__(name="chaos-kafka-log", daemon=True)
+        from confluent_kafka import OFFSET_BEGINNING, Consumer, TopicPartition
+
+        self.topic = topic
+        self.received: list[Delivery] = []
+        self._halt = threading.Event()
+        broker.create_topic(topic, PARTITIONS)
+        self._consumer = Consumer(
+            {
+                "bootstrap.servers": broker.bootstrap,
+                "group.id": f"{topic}-log",
+                "enable.auto.commit": False,
+                "reconnect.backoff.max.ms": 500,
+                "log_level": 2,  # the cut's connection errors are expected: not on the run's output
+            }
+        )
+        self._consumer.assign([TopicPartition(topic, p, OFFSET_BEGINNING) for p in range(PARTITIONS)])
+
+    def run(self) -> None:
+        import json
+
+        try:
+            while not self._halt.is_set():
+                for m in self._consumer.consume(500, 0.2):
+                    if m.error() is not None:
+                        continue
+                    headers = {k: v.decode() for k, v in m.headers() or []}
+                    payload = json.loads(m.value())
+                    self.received.append(
+                        Delivery(
+                            headers["postbox-message-id"],
+                            headers["postbox-key"],
+                            payload["source"],
+                            payload["sequence"],
+                        )
+                    )
+        finally:
+            self._consumer.close()
+
+    def stop(self) -> None:
+        self._halt.set()
+        self.join(10)
