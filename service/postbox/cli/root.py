@@ -11,6 +11,7 @@ import sqlalchemy.exc
 
 from postbox._version import __version__
 from postbox.cli import context as cli_context
+from postbox.cli.console import console
 from postbox.cli.consumers import consumer
 from postbox.cli.dead_letters import dlq
 from postbox.cli.keys import keys
@@ -174,7 +175,7 @@ def demo(ctx: click.Context, database: str) -> None:
         raise click.ClickException(str(error)) from None
 
 
-for command in (worker, relay, bridge, dlq, replay_group, keys, consumer):
+for command in (worker, relay, bridge, dlq, replay_group, keys, consumer, console):
     cli.add_command(command)
 register_ops_commands(cli)
 

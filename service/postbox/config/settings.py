@@ -113,6 +113,16 @@ class ReplayRunOptions(_Options):
     poll_interval: float = Field(default=0.5, ge=0.01, le=60)
 
 
+class ConsoleOptions(_Options):
+    class User(_Options):
+        role: Literal["viewer", "operator"] = "viewer"
+        password_hash: SecretStr | None = None
+        token_env: str | None = None
+
+    users: dict[str, User] = Field(default_factory=dict)
+    viewers_see_payloads: bool = False
+
+
 class Settings(BaseSettings):
     """Process settings. Every field can be set as ``POSTBOX_<NAME>`` or in the TOML file."""
 
@@ -191,9 +201,9 @@ class Settings(BaseSettings):
     bridge: BridgeOptions = Field(default_factory=BridgeOptions)
     maintain: MaintainOptions = Field(default_factory=MaintainOptions)
     replay_run: ReplayRunOptions = Field(default_factory=ReplayRunOptions)
-    # The file's [consumers.NAME] and [destinations.NAME] tables.
-    consumers: dict[str, ConsumerPolicy] = Field(default_factory=dict)
-    destinations: dict[str, DestinationConfig] = Field(default_factory=dict)
+    console: ConsoleOptions = Field(default_factory=ConsoleOptions)
+    consumers: dict[str, ConsumerPolicy] = Field(default_factory=dict)  # the file's [consumers.NAME] and
+    destinations: dict[str, DestinationConfig] = Field(default_factory=dict)  # [destinations.NAME] tables
 
     @field_validator("http_allowed_hosts", mode="before")
     @classmethod
