@@ -232,6 +232,8 @@ def test_postbox_settings_come_from_real_variables_and_files(name):
     config file named by POSTBOX_CONFIG is mounted into the container and valid."""
     env = _environment(SERVICES[name])
     fields = {f"POSTBOX_{field.upper()}" for field in Settings.model_fields}
+    command = _parse_postbox(_command(SERVICES[name])).command  # and the variables of its options
+    fields |= {str(p.envvar) for p in command.params if isinstance(p, click.Option) and p.envvar}
     for variable in env:
         if variable.startswith("POSTBOX_"):
             assert variable in fields, f"{name}: {variable} is not a Postbox setting"
@@ -310,6 +312,7 @@ ROLE_OF = {
     "bridge": "postbox_worker",
     "maintain": "postbox_maintainer",
     "replay": "postbox_operator",
+    "console": "postbox_operator",
     "migrate": None,  # the owner of the schema
 }
 GROUPS = ("postbox_producer", "postbox_worker", "postbox_maintainer", "postbox_operator", "postbox_reader")

@@ -29,7 +29,7 @@ INSERT INTO postbox.attempts (origin, origin_id, queue, message_id, key, attempt
                               error, decision)
 SELECT 'inbox', g, 'consumer-' || (g % 20), 'msg-' || g, 'key-' || (g % 30000), 1, now() - (g % 60) * interval '1 second',
        'permanent', 'SchemaError', 'error', 'dead_letter'
-  FROM generate_series(1, 100000) AS g;
+  FROM generate_series(1, 100000, 3) AS g;
 INSERT INTO postbox.audit_log (db_role, actor, action, reason, target)
 SELECT 'postbox_operator', 'alice', 'dlq_edit', 'seed', jsonb_build_object('replay_job', g % 100)
   FROM generate_series(1, 20000) AS g;

@@ -9,6 +9,7 @@
 --   compose_bridge       bridge  (postbox_worker)
 --   compose_maintenance  maintenance (postbox_maintainer)
 --   compose_replay       replay-runner (postbox_operator)
+--   compose_console      console (postbox_operator)
 DO $$
 DECLARE
     r record;
@@ -31,7 +32,8 @@ BEGIN
             ('compose_relay', 'postbox_worker'),
             ('compose_bridge', 'postbox_worker'),
             ('compose_maintenance', 'postbox_maintainer'),
-            ('compose_replay', 'postbox_operator')) AS logins (name, member_of) LOOP
+            ('compose_replay', 'postbox_operator'),
+            ('compose_console', 'postbox_operator')) AS logins (name, member_of) LOOP
         IF NOT EXISTS (SELECT 1 FROM pg_roles WHERE rolname = r.name) THEN
             BEGIN
                 EXECUTE format('CREATE ROLE %I LOGIN', r.name);

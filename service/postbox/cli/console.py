@@ -2,15 +2,37 @@
 
 from __future__ import annotations
 
+import contextlib
 import getpass
 import os
+import signal
+from collections.abc import Iterator
 
 import click
 
-from postbox.cli.context import checked_database_url, settings
+from postbox.cli.context import checked_database_url, serve_metrics, settings
 from postbox.errors import MissingExtra
 
 __all__ = ["console"]
+
+
+def _server_class() -> type:
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        """uvicorn's server, stopping on SIGTERM or SIGINT and then exiting 0 like every other
+        postbox process (uvicorn raises the signal again once stopped)."""
+
+        @contextlib.contextmanager
+        def capture_signals(self) -> Iterator[None]:
+            previous = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+            try:
+                yield
+            finally:
+                for sig, handler in previous.items():
+                    signal.signal(sig, handler)
+
+    return Server
 
 
 @click.command()
@@ -63,5 +85,6 @@ def console(
     s = settings(ctx)
     url = checked_database_url(ctx)
     app = create_app(url, s.console, session_secret, run_replays=run_replays)
+    serve_metrics(ctx, s, url, lambda: True)  # /metrics, /healthz, /readyz when a port is given
     click.echo(f"postbox console on http://{host}:{port} (pid {os.getpid()})", err=True)
-    uvicorn.run(app, host=host, port=port, log_level="warning")
+    _server_class()(uvicorn.Config(app, host=host, port=port, log_level="warning")).run()
