@@ -249,3 +249,54 @@ def test_settings_nobody_could_sign_in_with_are_refused():
         )
     with pytest.raises(ConfigError, match=r"console\.bogus"):
         load_settings(document={"postbox": {"console": {"bogus": 1}}})
+
+
+def _confirm(client: TestClient, form: dict[str, str]) -> str:
+    """Post an action, check that it asks first and changed nothing yet, confirm; the page after."""
+    asked = client.post("/act", data=form)
+    assert asked.status_code == 200 and 'id="confirm"' in asked.text, asked.text[-600:]
+    done = client.post("/act", data={**form, "confirmed": "yes"})
+    assert done.status_code == 200, done.text[-600:]
+    return html.unescape(done.text)
+
+
+def test_operators_halt_and_resume_a_consumer_resolve_discard_and_steer_a_replay_job(client, shop):
+    token = sign_in(client, OPERATOR, OPERATOR_PASSWORD)
+    act = {"csrf_token": token, "reason": "console test"}
+    halted = _confirm(client, {**act, "op": "consumer", "consumer": "orders", "verb": "halt"})
+    assert "consumer orders halted" in halted and 'class="halted"' in client.get("/overview/panel").text
+    assert "consumer orders resumed" in _confirm(
+        client, {**act, "op": "consumer", "consumer": "orders", "verb": "resume"}
+    )
+
+    first, second = dead_letter_id(shop, "order-0"), dead_letter_id(shop, "order-1")
+    options = {
+        "rate": "1",
+        "max_in_flight": "1",
+        "batch_size": "1",
+        "canary": "0",
+        "abort_failure_ratio": "0.5",
+    }
+    started = _confirm(client, {**act, **options, "op": "replay", "ids": str(first), "mode": "in_place"})
+    job = int(re.search(r"replay job (\d+) started", started).group(1))
+    for verb, state in (("pause", "paused"), ("resume", "pending"), ("cancel", "cancelled")):
+        page = _confirm(client, {**act, "op": "job", "job": str(job), "verb": verb})
+        assert f"replay job {job}: {state}" in page
+    audit = client.get(f"/jobs/{job}").text
+    assert all(a in audit for a in ("replay_pause", "replay_resume", "replay_cancel")) and OPERATOR in audit
+
+    assert "1 dead letter(s) resolved" in _confirm(client, {**act, "op": "resolve", "ids": str(first)})
+    group = {"g_origin": "inbox", "g_queue": "orders", "g_reason": "permanent"}
+    group |= {
+        "g_type": "paid",
+        "g_fingerprint": str(
+            scalar(shop.url, "SELECT fingerprint FROM postbox.dead_letters WHERE id = %s", (second,))
+        ),
+    }
+    assert "1 dead letter(s) discarded" in _confirm(
+        client, {**act, **group, "op": "discard", "scope": "group"}
+    )
+    statuses = scalar(shop.url, "SELECT string_agg(status, ',' ORDER BY id) FROM postbox.dead_letters")
+    assert statuses == "resolved,discarded" or statuses == "discarded,resolved"
+    actors = scalar(shop.url, "SELECT string_agg(DISTINCT actor, ',') FROM postbox.audit_log")
+    assert actors == OPERATOR
