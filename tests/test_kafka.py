@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 import uuid
 from datetime import UTC, datetime
 
@@ -252,6 +253,26 @@ def test_bridge_receives_once_and_commits(database, kafka_broker):
         assert seen == []
     finally:
         again.close()
+
+
+def test_a_fetch_returns_the_records_there_without_waiting_out_its_timeout(kafka_broker):
+    """The bridge's fetch waits for a first record, then takes what has arrived with it: records
+    already there come back at once, not after the fetch's whole timeout (which consume(limit,
+    timeout) would wait for a batch of ``limit``: the latency of every quiet moment)."""
+    topic = kafka_broker.create_topic(f"quick-{uuid.uuid4().hex[:8]}")
+    source = source_for(kafka_url(kafka_broker, f"g-{uuid.uuid4().hex[:6]}"), topic)
+    t = KafkaTransport(kafka_broker.bootstrap, topic)
+    try:
+        eventually(lambda: source.fetch(100, 0.2) == [] and source._assigned, 15, what="partitions")
+        assert t.publish([row(i, "k") for i in range(3)]) == [None] * 3
+        started = time.monotonic()
+        got = source.fetch(100, 10.0)
+        took = time.monotonic() - started
+    finally:
+        t.close()
+        source.close()
+    assert len(got) == 3 and [g.key for g in got] == ["k"] * 3
+    assert took < 5.0, f"the fetch took {took:.1f} s for records already there"
 
 
 def test_poison_records_are_dead_lettered_with_their_coordinates(database, kafka_broker):

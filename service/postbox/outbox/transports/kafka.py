@@ -283,8 +283,13 @@ class KafkaSource:
     def fetch(self, limit: int, timeout: float) -> list[Incoming]:
         from confluent_kafka import KafkaException
 
+        # Wait for the first record only, then take what is already fetched: consume(limit, timeout)
+        # would wait the whole timeout for ``limit`` records, the latency of every quiet moment.
+        messages = self._consumer.consume(1, timeout)
+        if messages and limit > 1:
+            messages += self._consumer.consume(limit - 1, 0)
         out = []
-        for message in self._consumer.consume(limit, timeout):
+        for message in messages:
             error = message.error()
             if error is None:
                 out.append(_incoming(message))
