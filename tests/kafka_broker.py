@@ -8,6 +8,9 @@ What Tansu 0.6.0 does here, and what it does not (see docs/kafka.md):
 - it completes a JoinGroup only after a delay tied to the members' timeouts: with librdkafka's
   defaults (session 45 s, max poll interval 5 min) a consumer waits long for its partitions, so
   the tests' consumers use short ones (:data:`FAST_GROUP`);
+- it answers a fetch once ``fetch.wait.max.ms`` (500 ms by default) has passed, even when records
+  are there (Kafka answers as soon as ``fetch.min.bytes`` are): a latency measured against it
+  includes that wait per consumer, unless the consumer sets a shorter one;
 - storage is in memory only (postgres:// and s3:// storage are not built into this binary): a
   killed broker comes back empty, and an idempotent producer it knew fails fatally
   (UNKNOWN_PRODUCER_ID) until it is made again;

@@ -14,6 +14,7 @@ import signal
 import subprocess
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -26,8 +27,13 @@ from tests.helpers import spawn_postbox
 B, C = "service-b", "service-c"
 TO_B, TO_C = "to-b", "to-c"
 # Consumer-group timeouts short enough for Tansu to assign partitions within a second or two
-# (tests/kafka_broker.py), and for a killed bridge's partitions to move on quickly.
-GROUP = {"session.timeout.ms": 1000, "heartbeat.interval.ms": 200, "max.poll.interval.ms": 10_000}
+# (tests/kafka_broker.py), and for a killed bridge's partitions to move on quickly; and a short
+# fetch wait: Tansu answers a fetch only when fetch.wait.max.ms (500 ms by default) has passed, even
+# with records there, where Kafka answers as soon as there are fetch.min.bytes (1).
+GROUP = {
+    "session.timeout.ms": 1000, "heartbeat.interval.ms": 200, "max.poll.interval.ms": 10_000,
+    "fetch.wait.max.ms": 50,
+}  # fmt: skip
 
 EFFECTS_DDL = """
 CREATE TABLE IF NOT EXISTS topology_effects (
@@ -202,3 +208,53 @@ def violations(effects: list[tuple[str, str, int, int | None, float]], n: int, k
             out.append(f"{origin}: {key} seq {seq} after {prev} (expected after {last.get(key)})")
         last[key] = seq
     return out
+
+
+WARM_UP = 30  # messages through A→C before the measured ones (group joins, first produce)
+
+
+def start(t: Topology) -> None:
+    """Start the processes: the relays first, A's first message sent (Tansu answers a producer's
+    first request slowly while consumer groups join), then the bridges and workers."""
+    t.start("relay-a", "relay-b")
+    publish(t.a, 0, 1, 1)
+    _wait(lambda: _outbox_empty(t.a), 60, "A's first message sent")
+    t.start("bridge-b", "worker-b", "bridge-c", "worker-c")
+
+
+def latency(
+    urls: tuple[str, str, str], bootstrap: str, tmp: Path, rate: float, seconds: float
+) -> dict[str, float]:
+    """A→C latency in ms (p50, p99, max) at ``rate`` messages a second for ``seconds``, after a
+    warm-up of :data:`WARM_UP` messages; fails if a message is lost, doubled or out of order."""
+    keys = 50
+    t = Topology(urls, bootstrap, tmp)
+    n = WARM_UP + int(rate * seconds)
+    try:
+        start(t)
+        publish(t.a, 1, WARM_UP - 1, keys)
+        _wait(lambda: t.count(t.c) >= WARM_UP, 90, "the warm-up through to C")
+        publish(t.a, WARM_UP, n - WARM_UP, keys, rate)
+        _wait(lambda: t.count(t.c) >= n, 120, f"{n} effects in C")
+    finally:
+        t.stop()
+    effects = t.effects(t.c)
+    broken = violations(effects, n, keys)
+    if broken:
+        raise AssertionError(f"A→C broke an invariant: {broken[:5]}")
+    lat = sorted(e[4] for e in effects if int(e[0][2:]) >= WARM_UP)
+    return {"p50": lat[len(lat) // 2], "p99": lat[max(0, int(len(lat) * 0.99) - 1)], "max": lat[-1]}
+
+
+def _outbox_empty(url: str) -> bool:
+    with psycopg.connect(url, autocommit=True) as c:
+        row = c.execute("SELECT count(*) FROM postbox.outbox").fetchone()
+    return row is not None and row[0] == 0
+
+
+def _wait(check: Callable[[], bool], timeout: float, what: str) -> None:
+    end = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > end:
+            raise TimeoutError(f"not reached within {timeout} s: {what}")
+        time.sleep(0.05)
