@@ -410,7 +410,7 @@ def test_a_kafka_destination_from_the_config_file(monkeypatch):
             load_policies({"destinations": {"stream": {**dest, "settings": weaker}}})
 
 
-# --- the commands, and a group that rebalances -----------------------------------------------------
+# --- the commands, and a group that rebalances (without the extra: tests/test_packaging.py) -----------------------------------------------------
 
 
 def test_relay_and_bridge_commands_through_kafka(database, tmp_path, kafka_broker):
@@ -478,26 +478,3 @@ def test_bridges_joining_and_leaving_a_group_lose_nothing_and_keep_key_order(dat
     for key, message_id in rows_in:
         order.setdefault(key, []).append(message_id)
     assert order == {k: [r.message_id for r in records if r.key == k] for k in order}
-
-
-@pytest.mark.parametrize("command", ["relay", "bridge"])
-def test_without_the_kafka_extra_the_commands_fail_in_one_line_naming_it(command, database, tmp_path):
-    """A relay to a kind = "kafka" destination, or a bridge from kafka://, in a Python without
-    confluent-kafka: one line naming the extra, no traceback."""
-    from tests.test_packaging import BLOCKING
-
-    config = tmp_path / "postbox.toml"
-    config.write_text('[destinations.out]\nkind = "kafka"\n')
-    args = {
-        "relay": ["--config", str(config), "--database-url", database.url, "relay"],
-        "bridge": ["--database-url", database.url, "bridge", "--from", "kafka://127.0.0.1:9",
-                   "--name", "t", "--consumer", "c", "--connect-timeout", "5"],
-    }[command]  # fmt: skip
-    script = BLOCKING.format(module="confluent_kafka") + "from postbox.cli.root import main\nmain()\n"
-    result = subprocess.run(
-        [sys.executable, "-c", script, *args], check=False, cwd=REPO, capture_output=True, text=True,
-        env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=120,
-    )  # fmt: skip
-    what = "the Kafka transport" if command == "relay" else "the Kafka bridge source"
-    assert result.returncode == 1, result.stderr
-    assert result.stderr.strip() == f"postbox: {what} needs the 'kafka' extra: pip install 'postbox[kafka]'"

@@ -18,8 +18,14 @@ import pytest
 
 from tests.helpers import REPO
 
-NAMES = {"rabbitmq": "RabbitMQ", "nats": "NATS", "redis": "Redis", "http": "HTTP", "embedded": "embedded"}
-MODULES = {"rabbitmq": "pika", "nats": "nats", "redis": "redis", "http": "httpx", "embedded": "pgserver"}
+NAMES = {
+    "rabbitmq": "RabbitMQ", "nats": "NATS", "redis": "Redis", "kafka": "Kafka", "http": "HTTP",
+    "embedded": "embedded",
+}  # fmt: skip
+MODULES = {
+    "rabbitmq": "pika", "nats": "nats", "redis": "redis", "kafka": "confluent_kafka", "http": "httpx",
+    "embedded": "pgserver",
+}  # fmt: skip
 
 BLOCKING = """
 import sys
@@ -65,6 +71,7 @@ DESTINATIONS = {
     "rabbitmq": 'kind = "rabbitmq"\nrouting_key = "packaging"\n',
     "nats": 'kind = "nats"\n',
     "redis": 'kind = "redis"\n',
+    "kafka": 'kind = "kafka"\n',
     "http": 'kind = "http"\nurl = "http://127.0.0.1:9/hook"\n',
 }
 
@@ -106,6 +113,7 @@ SOURCES = {
     "rabbitmq": "amqp://guest:guest@127.0.0.1:5672/%2F",
     "nats": "nats://127.0.0.1:4222",
     "redis": "redis://127.0.0.1:6379/0",
+    "kafka": "kafka://127.0.0.1:9",
 }
 
 
@@ -197,7 +205,9 @@ def test_the_demo_without_a_database_url_needs_the_embedded_extra(tmp_path):
     assert "Traceback" not in result.stderr
 
 
-LEFT_OUT = {"pika", "nats-py", "redis", "httpx", "pgserver", "psycopg-binary", "psycopg-pool"}
+LEFT_OUT = {
+    "pika", "nats-py", "redis", "confluent-kafka", "httpx", "pgserver", "psycopg-binary", "psycopg-pool",
+}  # fmt: skip
 
 
 def _installed(python: Path) -> set[str]:
