@@ -80,14 +80,15 @@ def receive_workloads(b: Bench, sizes: dict[str, int], with_peers: bool) -> None
 
 
 def processing_workloads(b: Bench, sizes: dict[str, int], first: bool) -> None:
-    """The drain (next to pgbench's INSERT+UPDATE and to the same work in SQL only), the relay, the
-    claim's cost under a backlog, replay, and latency."""
+    """The drain (next to pgbench's INSERT+UPDATE and to the same work in SQL only), the relay (to
+    PostgreSQL, RabbitMQ and Kafka), the claim's cost under a backlog, replay, latency, and the
+    A→C latency of three databases linked through Kafka."""
     b.record(report.INSERT_UPDATE, "tx/s", b.pgbench(sql.PGBENCH_INSERT_UPDATE, 4, 2, sizes["pg_seconds"]))
     rate, rss = b.drain(sizes["drain"], 500, processes=2, concurrency=2, batch=50)
     b.record(report.DRAIN, "msg/s", rate)
     b.record(report.DRAIN_RSS, "MB", rss)
     b.record(report.DRAIN_SQL, "msg/s", b.drain_sql(sizes["drain_sql"], 500, 50, sizes["bound_seconds"]))
-    for kind in ("postgres", "rabbitmq"):
+    for kind in ("postgres", "rabbitmq", "kafka"):
         rate, rss = b.relay(sizes["relay"], 500, kind)
         b.record(report.relay_name(kind), "rows/s", rate)
         b.record(report.relay_rss_name(kind), "MB", rss)
@@ -100,6 +101,9 @@ def processing_workloads(b: Bench, sizes: dict[str, int], first: bool) -> None:
         label = "LISTEN/NOTIFY" if listen else "polling 10 ms"
         for q in ("p50", "p99", "max"):
             b.record(report.latency_name(label, q), "ms", lat[q])
+    lat = b.topology_latency(report.TOPOLOGY_RATE, sizes["lat_seconds"])
+    for q in ("p50", "p99", "max"):
+        b.record(report.topology_latency_name(q), "ms", lat[q])
 
 
 def peer_workloads(b: Bench, sizes: dict[str, int]) -> None:

@@ -38,6 +38,7 @@ class Harness:
         with psycopg.connect(url, autocommit=True) as c:
             c.execute(BENCH_DDL)
         self.created: list[str] = [self.template]
+        self._kafka: Any = None  # a Tansu broker (tests/kafka_broker.py), started when first needed
         self._last = time.monotonic()  # each record prints how long its workload took
 
     def url(self, db: str) -> str:
@@ -84,7 +85,18 @@ class Harness:
             print(f"  ! {kind} broke per-key order {bad} times", flush=True)
         return rate
 
+    def kafka(self) -> Any:
+        """The run's Kafka-compatible broker (a tests.kafka_broker.Tansu, in-memory storage),
+        started at the first call and killed by :meth:`cleanup`."""
+        if self._kafka is None:
+            from tests.kafka_broker import Tansu
+
+            self._kafka = Tansu().start()
+        return self._kafka
+
     def cleanup(self) -> None:
+        if self._kafka is not None:
+            self._kafka.close()
         with psycopg.connect(self.admin_url, autocommit=True) as c:
             for name in reversed(self.created):
                 c.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')

@@ -41,6 +41,8 @@ DRAIN_RSS = "worker peak RSS during drain"
 DRAIN_SQL = "drain in SQL only (claim + effects + complete per 50), pgbench -c 4"
 RELAY_POSTGRES = "relay to postgres, 500 keys, in order, confirmed"
 RELAY_RABBITMQ = "relay to rabbitmq, 500 keys, in order, confirmed"
+RELAY_KAFKA = "relay to kafka, 500 keys, in order, confirmed"
+TOPOLOGY_RATE = 100  # A's messages a second in the A→C latency workload
 CLAIM_10K = "claim+complete, 10k ready"
 CLAIM_1M = "claim+complete, 1M backlog (hot key 500k, 1k blocked)"
 REPLAY = "replay send-back, blocked dead letters, batch 500"
@@ -57,6 +59,10 @@ def relay_name(kind: str) -> str:
 
 def relay_rss_name(kind: str) -> str:
     return f"relay peak RSS ({kind})"
+
+
+def topology_latency_name(quantile: str) -> str:
+    return f"A→C through Kafka (3 databases, 2 hops) at {TOPOLOGY_RATE} msg/s, {quantile}"
 
 
 def latency_name(label: str, quantile: str, peer: bool = False) -> str:
@@ -151,6 +157,7 @@ CHECKS: tuple[Check, ...] = (
     Check("claim cost with the 1M backlog / with 10k", CLAIM_1M, CLAIM_10K, ("<=", 1.5)),
     Check("relay to PostgreSQL, rows/s", RELAY_POSTGRES, target=(">=", 5000)),
     Check("relay to RabbitMQ, rows/s", RELAY_RABBITMQ, target=(">=", 3000)),
+    Check("relay to Kafka / relay to RabbitMQ", RELAY_KAFKA, RELAY_RABBITMQ, (">=", 1.0)),
     Check("worker peak RSS, MB", DRAIN_RSS, target=("<=", 150)),
     Check("single receive / pgbench single INSERT", RECEIVE_SINGLE, SINGLE_INSERT, (">=", 0.80)),
     Check(

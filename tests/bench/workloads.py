@@ -5,12 +5,14 @@ order) and fail if they break."""
 
 from __future__ import annotations
 
+import itertools
 import os
 import signal
 import statistics
 import tempfile
 import time
 import uuid
+from pathlib import Path
 
 import psycopg
 
@@ -18,6 +20,8 @@ import postbox
 from tests.bench.harness import Harness, rss_mb, wait
 from tests.bench.scripts import DRAIN_SQL_FUNCTION
 from tests.helpers import spawn_postbox
+
+KAFKA_PARTITIONS = 3
 
 
 class Bench(Harness):
@@ -153,13 +157,21 @@ class Bench(Harness):
         self, n: int, keys: int, kind: str, batch: int = 200, concurrency: int = 2
     ) -> tuple[float, float]:
         """Relay throughput (rows/s) and the relay's peak RSS (MB): n rows over ``keys`` keys to the
-        PostgreSQL transport (this database, another consumer) or to RabbitMQ with confirms."""
+        PostgreSQL transport (this database, another consumer), to RabbitMQ with confirms, or to a
+        Kafka topic of 3 partitions (Tansu; idempotent producer, acks=all, each row confirmed by its
+        delivery report)."""
         url = self.fresh()
         queue = f"postbox-bench-{uuid.uuid4().hex[:8]}"
         _outbox_rows(url, n, keys)
         with tempfile.NamedTemporaryFile("w", suffix=".toml", delete=False) as f:
             if kind == "postgres":
                 f.write('[destinations.out]\nkind = "postgres"\nconsumer = "relayed"\n')
+            elif kind == "kafka":
+                self.kafka().create_topic(queue, KAFKA_PARTITIONS)
+                f.write(
+                    f'[destinations.out]\nkind = "kafka"\nbootstrap_servers = "{self.kafka().bootstrap}"\n'
+                    f'topic = "{queue}"\n'
+                )
             else:
                 f.write(f'[destinations.out]\nkind = "rabbitmq"\nrouting_key = "{queue}"\n')
         p = spawn_postbox(
@@ -178,7 +190,20 @@ class Bench(Harness):
                 count = _rabbitmq_take_queue(queue)
         if kind == "rabbitmq" and count < n:
             raise AssertionError(f"relay to RabbitMQ lost rows: {count} of {n}")
+        if kind == "kafka":
+            _check_kafka_topic(self.kafka().bootstrap, queue, n)
         return rate, peak
+
+    def topology_latency(self, rate: float, seconds: float) -> dict[str, float]:
+        """A→C latency through Kafka, in ms (p50, p99, max): three databases (A, B, C) linked by two
+        relays, two topics and two bridges, B's worker publishing as it handles
+        (tests/bench/topology.py); A publishes at ``rate`` a second for ``seconds``, once a warm-up
+        has gone through. From A's commit to C's effect; nothing lost or doubled, each key in order."""
+        from tests.bench import topology
+
+        urls = (self.fresh(), self.fresh(), self.fresh())
+        with tempfile.TemporaryDirectory(prefix="postbox-bench-topology-") as tmp:
+            return topology.latency(urls, self.kafka().bootstrap, Path(tmp), rate, seconds)
 
     def replay(self, n: int, batch: int = 500) -> float:
         """Replay send-back rate (dead letters/s): n dead letters, each blocking its own key, sent back
@@ -329,6 +354,24 @@ def _check_relayed_inbox(url: str, n: int) -> None:
         ).fetchone()[0]
     if got != n or bad:
         raise AssertionError(f"relay broke an invariant: {got} of {n}, {bad} out of order")
+
+
+def _check_kafka_topic(bootstrap: str, topic: str, n: int) -> None:
+    """Every row reached the topic (at least once: a retried send may write a row twice), each
+    key's rows in order on one partition."""
+    from tests.kafka_broker import read_topic
+
+    records = read_topic(bootstrap, topic, timeout=60)
+    order: dict[str, list[int]] = {}
+    for r in records:  # partition by partition, in offset order
+        seq = order.setdefault(r["key"], [])
+        i = int(r["headers"]["postbox-message-id"][1:])
+        if not seq or seq[-1] != i:
+            seq.append(i)
+    got = {i for seq in order.values() for i in seq}
+    bad = sum(1 for seq in order.values() for a, b in itertools.pairwise(seq) if b < a)
+    if len(got) != n or bad:
+        raise AssertionError(f"relay to Kafka broke an invariant: {len(got)} of {n}, {bad} out of order")
 
 
 def _rabbitmq_take_queue(queue: str) -> int:
