@@ -47,7 +47,7 @@ def fresh_database(cluster: PrivateCluster) -> str:
     # F7 (a rolling upgrade) runs in `make chaos`; here tests/test_upgrade_under_load.py covers it.
     # F5 twice: the relay's broker RabbitMQ, then Kafka (a Tansu broker the run starts).
     [f for f in ALL if not f.needs_cluster and f not in MISBEHAVING and not f.from_previous_release],
-    ids=lambda f: f.name.split()[0] + ("-kafka" if f.broker == "kafka" else ""),
+    ids=lambda f: f.ident,
 )
 def test_fault_keeps_every_invariant(fault: Fault, database) -> None:
     """Under F1 (kill -9 at every point), F2 (SIGSTOP past the lease and time limit), F3

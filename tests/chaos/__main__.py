@@ -1,6 +1,7 @@
 """``python -m tests.chaos`` (``make chaos``): every fault F1..F7 for ``CHAOS_ITERATIONS`` cycles
 (default 20) under steady load, then a table of the figures; results go to
-``bench-results/chaos-<time>.json``. ``CHAOS_FAULTS`` (e.g. ``F1,F4``) picks faults;
+``bench-results/chaos-<time>.json``. ``CHAOS_FAULTS`` (e.g. ``F1,F4``; ``F5`` is F5 for RabbitMQ
+and for Kafka, ``F5-kafka`` the latter only) picks faults;
 ``CHAOS_KEYS`` sets the keys per producer thread (default 40);
 ``CHAOS_KEEP_DB=1`` keeps each run's database for a post-mortem.
 
@@ -88,7 +89,7 @@ def main() -> int:
     iterations = int(os.environ.get("CHAOS_ITERATIONS", "20"))
     keys = int(os.environ.get("CHAOS_KEYS", "40"))  # per producer thread; fewer keys are hotter
     wanted = [f.strip() for f in os.environ.get("CHAOS_FAULTS", "").split(",") if f.strip()]
-    faults = [f for f in ALL if not wanted or f.name.split()[0] in wanted]
+    faults = [f for f in ALL if not wanted or f.name.split()[0] in wanted or f.ident in wanted]
     shared = os.environ.get("POSTBOX_TEST_DATABASE_URL")
     cluster = PrivateCluster()
     results: list[Result] = []

@@ -190,6 +190,11 @@ class Fault:
     # broker of the run's own, behind the proxy: tests/chaos/kafka.py).
     broker: str = "rabbitmq"
 
+    @property
+    def ident(self) -> str:
+        """Its short name: ``F5``, ``F5-kafka`` (CHAOS_FAULTS takes either, ``F5`` picks both)."""
+        return self.name.split()[0] + ("-kafka" if self.broker == "kafka" else "")
+
 
 @dataclass
 class Result:
