@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import html
 import re
+import subprocess
+import sys
 import uuid
 from collections.abc import Iterator
 
@@ -300,3 +302,14 @@ def test_operators_halt_and_resume_a_consumer_resolve_discard_and_steer_a_replay
     assert statuses == "resolved,discarded" or statuses == "discarded,resolved"
     actors = scalar(shop.url, "SELECT string_agg(DISTINCT actor, ',') FROM postbox.audit_log")
     assert actors == OPERATOR
+
+
+def test_the_command_refuses_to_serve_without_users(database, tmp_path):
+    config = tmp_path / "postbox.toml"
+    config.write_text("[postbox.console]\nviewers_see_payloads = false\n", encoding="utf-8")
+    done = subprocess.run(
+        [sys.executable, "-m", "postbox", "--config", str(config), "--database-url", database.url, "console"],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert "the console has no users" in done.stderr and "never runs without sign-in" in done.stderr

@@ -167,7 +167,9 @@ def job(request: Request) -> Response:
 
 
 def job_panel(request: Request) -> Response:
-    return render(request, "_job.html", _job_data(request))
+    """The job's progress for htmx's polling; 286 once it is finished (htmx then stops polling)."""
+    data = _job_data(request)
+    return render(request, "_job.html", data, status=286 if data["job"].finished else 200)
 
 
 def audit(request: Request) -> Response:
