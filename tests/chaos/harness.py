@@ -334,7 +334,15 @@ def run_fault(
         producers = Producers(url, CONSUMER, log, rate=rate, threads=2, keys=keys)
         drain: float | None = None
         try:
-            eventually(lambda: _registered(url, processes), timeout=60, what="processes started")
+            try:
+                eventually(lambda: _registered(url, processes), timeout=60, what="processes started")
+            except AssertionError as error:  # say why: the processes' own words
+                tails = [
+                    f"{g.name} {i}: {g.log_tail(i, 600)}"
+                    for g in (workers, relays)
+                    for i in sorted({1, g.spawned})
+                ]
+                raise AssertionError(f"{error}\n" + "\n".join(tails)) from None
             producers.start()
             rig.wait(fault.gap)
             for _ in range(iterations):
