@@ -15,7 +15,7 @@ COPY pyproject.toml README.md ./
 COPY service ./service
 COPY sql ./sql
 COPY migrations ./migrations
-RUN pip install ".[all,binary]" && rm -rf /src
+RUN pip install ".[all,binary,console]" && rm -rf /src
 
 RUN useradd --system --uid 10001 --user-group --create-home --home-dir /home/postbox postbox
 USER postbox
