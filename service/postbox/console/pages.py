@@ -63,14 +63,12 @@ def dead_letters(request: Request) -> Response:
         total = sum(int(r["open"]) for r in per_queue)
         if not flt.consumer and len(per_queue) == 1:
             flt = dataclasses.replace(flt, consumer=str(per_queue[0]["queue"]))
-        pick = not flt.consumer and total > queries.ALL_QUEUES_LIMIT
-        if not pick:
-            groups, more = queries.groups_page(conn, flt, page)
+        groups, more = queries.groups_page(conn, flt, page)
     for g in groups:
         g["url"] = group_url(g)
     args = urlencode({k: v for k, v in q.items() if k != "page"})
     ctx = {"groups": groups, "filter": flt, "page": page, "more": more, "args": args}
-    return render(request, "dead_letters.html", {**ctx, "queues": per_queue, "total": total, "pick": pick})
+    return render(request, "dead_letters.html", {**ctx, "queues": per_queue, "total": total})
 
 
 def group_url(g: dict[str, Any]) -> str:

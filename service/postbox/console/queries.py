@@ -37,8 +37,10 @@ SPARK_MINUTES = 30
 
 
 def _rows(conn: psycopg.Connection[Any], sql: str, params: dict[str, Any]) -> list[Row]:
+    # Never prepared: the filters are optional ("NULL or equal"), which a generic plan cannot
+    # prune; planned with the values at hand, each query reads the index that fits them.
     with conn.cursor(row_factory=dict_row) as cur:
-        return list(cur.execute(sql, params).fetchall())
+        return list(cur.execute(sql, params, prepare=False).fetchall())
 
 
 @dataclass(frozen=True)
@@ -106,7 +108,7 @@ _FILTERS = """
 
 _GROUPS = f"""
 SELECT origin, coalesce(consumer, destination) AS queue, type, reason, fingerprint,
-       count(*) AS open, count(DISTINCT key) AS keys,
+       count(*) AS open,
        min(dead_lettered_at) AS first_seen, max(dead_lettered_at) AS last_seen,
        max(last_error_type) AS error_type, min(id) AS sample_id
   FROM postbox.dead_letters
@@ -129,10 +131,6 @@ SELECT 'outbox', destination, count(*), min(dead_lettered_at)
  ORDER BY 2
 """
 
-# Grouping every open dead letter reads the whole table (no index has the fingerprint); above this
-# many, the page groups one consumer's at a time (dead_letters_open_idx: consumer first).
-ALL_QUEUES_LIMIT = 20_000
-
 
 def open_per_queue(conn: psycopg.Connection[Any]) -> list[Row]:
     """Open dead letters per consumer and destination: how many, and the oldest (an index-only scan of
@@ -140,8 +138,8 @@ def open_per_queue(conn: psycopg.Connection[Any]) -> list[Row]:
     return _rows(conn, _QUEUES, {})
 
 
-_GROUP_ERROR = """
-SELECT last_error FROM postbox.dead_letters WHERE id = %(id)s
+_GROUP_ERRORS = """
+SELECT id, last_error FROM postbox.dead_letters WHERE id = ANY(%(ids)s)
 """
 
 
@@ -150,9 +148,10 @@ def groups_page(conn: psycopg.Connection[Any], flt: GroupFilter, page: int) -> t
     Each group carries the error text of one member (``sample_id``)."""
     params = {**flt.params(), "limit": PAGE + 1, "offset": max(page, 0) * PAGE}
     rows = _rows(conn, _GROUPS, params)
+    ids = [row["sample_id"] for row in rows[:PAGE]]
+    errors = {r["id"]: r["last_error"] for r in _rows(conn, _GROUP_ERRORS, {"ids": ids})} if ids else {}
     for row in rows[:PAGE]:
-        sample = _rows(conn, _GROUP_ERROR, {"id": row["sample_id"]})
-        row["error"] = sample[0]["last_error"] if sample else ""
+        row["error"] = errors.get(row["sample_id"]) or ""
     return rows[:PAGE], len(rows) > PAGE
 
 

@@ -203,6 +203,18 @@ dead_letters = Table(
         postgresql_where=text("status = 'open'"),
     ),
     Index("dead_letters_message_idx", "message_id"),
+    # Revision 0003.
+    Index(
+        "dead_letters_open_groups_idx",
+        "origin",
+        text("coalesce(consumer, destination)"),
+        "type",
+        "reason",
+        "fingerprint",
+        postgresql_include=["key", "dead_lettered_at", "last_error_type", "id", "consumer", "destination"],
+        postgresql_where=text("status = 'open'"),
+    ),
+    Index("dead_letters_replay_of_idx", "replay_of", postgresql_where=text("replay_of IS NOT NULL")),
 )
 
 key_repairs = Table(
