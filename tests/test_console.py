@@ -313,3 +313,16 @@ def test_the_command_refuses_to_serve_without_users(database, tmp_path):
     )  # fmt: skip
     assert done.returncode == 2 and "Traceback" not in done.stderr
     assert "the console has no users" in done.stderr and "never runs without sign-in" in done.stderr
+
+
+@pytest.mark.parametrize(
+    "target", ["//evil.example/", "/\\evil.example/", "https://evil.example/", "/x\r\nSet-Cookie: a=b"]
+)
+def test_sign_in_never_sends_the_browser_to_another_site(client, shop, target):
+    token = csrf_of(client.get("/login").text)
+    r = client.post(
+        "/login",
+        data={"username": OPERATOR, "password": OPERATOR_PASSWORD, "csrf_token": token, "next": target},
+        follow_redirects=False,
+    )
+    assert r.status_code == 303 and r.headers["location"] == "/"

@@ -63,8 +63,8 @@ async def login(request: Request) -> Response:
     console: Console = request.app.state.console
     user = console.users.authenticate(str(form.get("username", "")), str(form.get("password", "")))
     target = str(form.get("next") or "/")
-    if not target.startswith("/") or target.startswith("//"):
-        target = "/"
+    if not target.startswith("/") or target.startswith(("//", "/\\")) or any(c in target for c in "\r\n"):
+        target = "/"  # only a path of this site (browsers read /\\host as //host)
     if user is None:
         ctx = {"next": target, "error": "unknown user or wrong password/token"}
         return render(request, "login.html", ctx, status=401)
