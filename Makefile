@@ -5,6 +5,9 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-stamp
 PYTEST_ARGS ?=
+# Test files run in TEST_WORKERS processes (pytest-xdist, a file's tests in one process); 0 runs
+# them in this one.
+TEST_WORKERS ?= 2
 
 .PHONY: install lint test test-all chaos bench bench-quick demo clean
 
@@ -23,7 +26,7 @@ lint: install
 	$(BIN)/lint-imports
 
 test: lint
-	$(BIN)/pytest $(PYTEST_ARGS)
+	$(BIN)/pytest -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 BENCH_STAMP := $(VENV)/.bench-stamp
 
