@@ -61,15 +61,21 @@ def test_every_name_in_all_is_exported_and_the_package_is_typed():
     assert (Path(postbox.__file__).parent / "py.typed").is_file()
 
 
+# The name the package once installed by mistake (its source folder); an application may own it.
+APP_PACKAGE = "service"
+
+
 def test_an_application_with_its_own_service_package_imports_both(tmp_path):
-    app = tmp_path / "service"
+    app = tmp_path / APP_PACKAGE
     app.mkdir()
     (app / "__init__.py").write_text("receive = 'the application\\'s own'\n")
     script = textwrap.dedent(
-        """
-        import service, postbox
-        assert service.receive == "the application's own", service.receive
-        assert callable(postbox.receive) and service.__file__ != postbox.__file__
+        f"""
+        import importlib
+        import postbox
+        app = importlib.import_module({APP_PACKAGE!r})
+        assert app.receive == "the application's own", app.receive
+        assert callable(postbox.receive) and app.__file__ != postbox.__file__
         print("ok")
         """
     )

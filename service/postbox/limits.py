@@ -59,6 +59,14 @@ def large_params(params: dict[str, Any]) -> list[Large]:
     return found
 
 
+def single_params(items: list[dict[str, Any]]) -> tuple[dict[str, Any], list[Large]]:
+    """A one-message call's bind parameters (its one batch item, payload and headers as JSON text)
+    and what to check against the limits: receive and publish alike."""
+    (item,) = items
+    params = item | {"payload": to_sql_json(item["payload"]), "headers": to_sql_json(item["headers"])}
+    return params, large_params(params)
+
+
 def large_items(values: Iterable[Any], field: str, which: int, found: list[Large]) -> None:
     """The large ones among a batch's payloads (or headers), each measured alone."""
     for i, value in enumerate(values):

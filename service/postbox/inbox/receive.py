@@ -97,14 +97,6 @@ def _one(message: InboxMessage | None, fields: dict[str, Any]) -> list[dict[str,
     return [checked(InboxMessage, message, fields).batch_item()]
 
 
-def _params(items: list[dict[str, Any]]) -> tuple[dict[str, Any], list[Large]]:
-    """The single-message query's bind parameters (payload and headers as JSON text) and what to
-    check against the limits."""
-    (item,) = items
-    params = item | {"payload": to_sql_json(item["payload"]), "headers": to_sql_json(item["headers"])}
-    return params, limits.large_params(params)
-
-
 _STATUSES = {s.value: s for s in ReceiveStatus}
 _new_result = object.__new__
 _set_field = object.__setattr__
@@ -139,7 +131,7 @@ def receive(conn: AnySyncConnection, message: InboxMessage | None = None, /, **f
     transaction.
     """
     with tracing.producing("send", _one(message, fields), "consumer") as items:
-        return _receive_result(first(run_checked(conn, "inbox_receive", *_params(items))))
+        return _receive_result(first(run_checked(conn, "inbox_receive", *limits.single_params(items))))
 
 
 def receive_many(
@@ -158,7 +150,9 @@ async def receive_async(
 ) -> ReceiveResult:
     """:func:`receive` for psycopg ``AsyncConnection`` and SQLAlchemy async sessions/connections."""
     with tracing.producing("send", _one(message, fields), "consumer") as items:
-        return _receive_result(first(await run_checked_async(conn, "inbox_receive", *_params(items))))
+        return _receive_result(
+            first(await run_checked_async(conn, "inbox_receive", *limits.single_params(items)))
+        )
 
 
 async def receive_many_async(

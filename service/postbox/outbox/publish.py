@@ -26,14 +26,6 @@ def _one(message: OutboxMessage | None, fields: dict[str, Any]) -> list[dict[str
     return [checked(OutboxMessage, message, fields).batch_item()]
 
 
-def _params(items: list[dict[str, Any]]) -> tuple[dict[str, Any], list[Large]]:
-    """The single-event query's bind parameters (payload and headers as JSON text) and what to
-    check against the limits."""
-    (item,) = items
-    params = item | {"payload": to_sql_json(item["payload"]), "headers": to_sql_json(item["headers"])}
-    return params, limits.large_params(params)
-
-
 def _batch(items: list[dict[str, Any]]) -> tuple[str, dict[str, Any], list[Large]]:
     """A checked batch's query, its bind parameters (the JSON array the batch function takes) and
     what to check against the limits (each payload and headers, measured only if the whole array is
@@ -53,7 +45,7 @@ def publish(conn: AnySyncConnection, message: OutboxMessage | None = None, /, **
     ``headers``, ``correlation_id``, ``causation_id``.
     """
     with tracing.producing("publish", _one(message, fields), "destination") as items:
-        return int(first(run_checked(conn, "outbox_publish", *_params(items)))[0])
+        return int(first(run_checked(conn, "outbox_publish", *limits.single_params(items)))[0])
 
 
 def publish_many(conn: AnySyncConnection, messages: Iterable[OutboxMessage | dict[str, Any]]) -> list[int]:
@@ -70,7 +62,7 @@ async def publish_async(
 ) -> int:
     """:func:`publish` for async connections."""
     with tracing.producing("publish", _one(message, fields), "destination") as items:
-        return int(first(await run_checked_async(conn, "outbox_publish", *_params(items)))[0])
+        return int(first(await run_checked_async(conn, "outbox_publish", *limits.single_params(items)))[0])
 
 
 async def publish_many_async(
