@@ -85,6 +85,9 @@ def console(
     s = settings(ctx)
     url = checked_database_url(ctx)
     app = create_app(url, s.console, session_secret, run_replays=run_replays)
-    serve_metrics(ctx, s, url, lambda: True)  # /metrics, /healthz, /readyz when a port is given
+    server = _server_class()(uvicorn.Config(app, host=host, port=port, log_level="warning"))
+    # /metrics, /healthz, /readyz when a port is given; ready once uvicorn listens (its signal
+    # handlers are in place by then: a SIGTERM from then on stops it cleanly) and until it stops.
+    serve_metrics(ctx, s, url, lambda: bool(server.started and not server.should_exit))
     click.echo(f"postbox console on http://{host}:{port} (pid {os.getpid()})", err=True)
-    _server_class()(uvicorn.Config(app, host=host, port=port, log_level="warning")).run()
+    server.run()
