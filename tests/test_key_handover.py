@@ -100,3 +100,62 @@ def test_an_inbox_message_committed_during_its_heads_completion_is_claimed(datab
             "SELECT message_id FROM postbox.inbox_claim_v1('c', 'w', 10, interval '60 s', now())"
         ).fetchall()
     assert claimed == [("second",)]
+
+
+@pytest.mark.parametrize("repeat", range(3))
+def test_a_keyed_batch_committed_during_its_heads_completion_is_claimed_in_order(database, repeat):
+    with database.connect() as c:
+        postbox.receive(c, consumer="c", message_id="first", key="k", payload={})
+        c.commit()
+        head_id, attempt = c.execute(
+            "SELECT id, attempt FROM postbox.inbox_claim_v1('c', 'w', 10, interval '60 s', now())"
+        ).fetchone()
+        c.commit()
+    batch = [{"consumer": "c", "message_id": f"m{i}", "key": "k", "payload": {}} for i in range(3)]
+    _complete_while_a_producer_commits(
+        database, "inbox", head_id, attempt,
+        "SELECT postbox.inbox_complete_v1(%s::bigint[], %s::integer[], now())",
+        lambda p: postbox.receive_many(p, batch),
+    )  # fmt: skip
+    claimed = []
+    with database.connect() as c:
+        for _ in range(3):
+            ((mid, att),) = c.execute(
+                "SELECT id, attempt FROM postbox.inbox_claim_v1('c', 'w', 10, interval '60 s', now())"
+            ).fetchall()
+            claimed += c.execute("SELECT message_id FROM postbox.inbox WHERE id = %s", (mid,)).fetchall()
+            c.execute("SELECT postbox.inbox_complete_v1(%s, %s, now())", ([mid], [att]))
+            c.commit()
+        assert c.execute("SELECT count(*) FROM postbox.inbox_commit_checks").fetchone() == (0,)
+    assert claimed == [("m0",), ("m1",), ("m2",)]
+
+
+def test_a_batch_rechecks_its_keys_once_at_commit_not_once_per_queued_message(database):
+    """The heads of two keys finish while a batch queues five messages behind them: its commit files
+    one repair per key (one set-based check for the batch), and each key's first message is next."""
+    with database.connect() as c:
+        for key in ("k1", "k2"):
+            postbox.receive(c, consumer="c", message_id=f"head-{key}", key=key, payload={})
+        c.commit()
+        with database.connect() as producer:
+            postbox.receive_many(
+                producer,
+                [{"consumer": "c", "message_id": f"{k}-{i}", "key": k, "payload": {}} for k, i in
+                 [("k1", 0), ("k2", 0), ("k1", 1), ("k2", 1), ("k1", 2)]],
+            )  # fmt: skip
+            heads = c.execute(
+                "SELECT id, attempt FROM postbox.inbox_claim_v1('c', 'w', 10, interval '60 s', now())"
+            ).fetchall()
+            c.execute(
+                "SELECT postbox.inbox_complete_v1(%s, %s, now())",
+                ([h[0] for h in heads], [h[1] for h in heads]),
+            )
+            c.commit()
+            producer.commit()
+        assert c.execute("SELECT key FROM postbox.key_repairs ORDER BY key").fetchall() == [("k1",), ("k2",)]
+        assert c.execute("SELECT count(*) FROM postbox.inbox_commit_checks").fetchone() == (0,)
+        claimed = c.execute(
+            "SELECT i.message_id FROM postbox.inbox_claim_v1('c', 'w', 10, interval '60 s', now()) x"
+            " JOIN postbox.inbox i ON i.id = x.id ORDER BY 1"
+        ).fetchall()
+    assert claimed == [("k1-0",), ("k2-0",)]

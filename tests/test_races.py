@@ -265,3 +265,73 @@ def test_claim_and_promote_use_their_indexes_with_a_large_backlog(db):
             "SELECT message_id FROM postbox.inbox_claim_v1('c', 'w', 50, '1 minute', now())"
         ).fetchall()
         assert len(rows) == 50 and all(r[0].startswith(("hot-1", "ready-")) for r in rows)
+
+
+def test_keyed_batches_racing_workers_never_orphan_a_message(db):
+    """Batches queue messages behind three hot keys while workers finish heads as fast as they can
+    (the batch's commit check races each completion): every message is processed, in each
+    producer's order, and no commit check is left behind."""
+    url = db.url
+    w = _recording_worker(url, batch_size=1)
+    rounds, size = 30, 12
+
+    def producer(p: int) -> None:
+        with psycopg.connect(url) as c:
+            for r in range(rounds):
+                postbox.receive_many(
+                    c,
+                    [
+                        {
+                            "consumer": "c",
+                            "message_id": f"p{p}-{r * size + j}",
+                            "key": f"hot{j % 3}",
+                            "payload": {},
+                        }
+                        for j in range(size)
+                    ],
+                )
+                c.commit()
+
+    threads = [threading.Thread(target=producer, args=(p,)) for p in range(3)]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        eventually(
+            lambda: scalar(url, "SELECT count(*) FROM effects") == 3 * rounds * size,
+            timeout=90,
+            what="every message processed",
+        )
+        assert scalar(url, "SELECT count(*) FROM postbox.inbox") == 0
+        assert scalar(url, "SELECT count(*) FROM postbox.inbox_commit_checks") == 0
+    finally:
+        w.stop()
+        w.join()
+    with psycopg.connect(url) as c:
+        rows = c.execute("SELECT message_id, key FROM effects ORDER BY id").fetchall()
+    seen: dict[tuple[str, str], int] = {}
+    for mid, key in rows:
+        p, i = mid.split("-")
+        assert int(i) > seen.get((p, key), -1), f"{mid} out of order on {key}"
+        seen[(p, key)] = int(i)
+
+
+def test_a_repeatable_read_batch_gets_a_retryable_error_not_an_orphan(db):
+    url = db.url
+    with psycopg.connect(url) as p, psycopg.connect(url) as w:
+        postbox.receive(p, consumer="c", message_id="1", key="k", payload={})
+        p.commit()
+        p.isolation_level = psycopg.IsolationLevel.REPEATABLE_READ
+        postbox.receive_many(
+            p, [{"consumer": "c", "message_id": str(i), "key": "k", "payload": {}} for i in (2, 3)]
+        )
+        ((mid, att),) = w.execute(
+            "SELECT id, attempt FROM postbox.inbox_claim_v1('c', 'w', 10, '1 minute', now())"
+        ).fetchall()
+        w.commit()
+        w.execute("SELECT postbox.inbox_complete_v1(%s, %s, now())", ([mid], [att]))
+        w.commit()
+        with pytest.raises(psycopg.errors.SerializationFailure):
+            p.commit()
+    assert scalar(url, "SELECT count(*) FROM postbox.inbox") == 0

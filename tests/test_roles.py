@@ -53,6 +53,7 @@ TABLES: dict[str, frozenset[str]] = {
     | {WORKER, MAINTAINER},  # bridges wait for their consumer; maintenance: gap timeouts
     "inbox": READ_ALL,
     "inbox_dedup": READ_ALL,
+    "inbox_commit_checks": READ_ALL,
     "inbox_keys": READ_ALL | {MAINTAINER},
     "outbox": READ_ALL,
     "dead_letters": READ_ALL,
@@ -200,6 +201,7 @@ FUNCTIONS: dict[str, frozenset[str]] = {
             "replay_control_v1",
             # trigger functions (fired, never called; they need no grant)
             "inbox_pending_commit_v1",
+            "inbox_commit_check_v1",
             "outbox_pending_commit_v1",
             "replay_settled_v1",
             "dead_letter_link_replay_v1",

@@ -26,6 +26,7 @@ RELEASED = {
     "0001": "4b6ff8c2387f48d1abb8aad14f69c5fc9520fea511f59e60ed358c4cf0cbb56e",  # 0.1.0
     "0002": "848f35b369ff253d085cfe18a3283fdeeae2effa68f1fa9f58f117f5d693032b",  # 0.2.0
     "0003": "54903cb3edf09c4835f1d364841dac2991acd67f1e9f71194416b1857426c3bc",  # 0.2.0
+    "0004": "f78b8b9e36b38888e2857b6c78a92d65195ccac6e139392ba0612ab414239772",  # 0.3.0
 }
 
 
@@ -82,7 +83,7 @@ def test_the_revision_files_name_no_sql_outside_the_package_data(revision):
 
 def test_the_schema_revision_the_code_needs_is_the_newest_it_ships():
     assert migrate.head_revision() == SCHEMA_REVISION
-    assert migrate.known_revisions() == ["0001", "0002", "0003"]
+    assert migrate.known_revisions() == ["0001", "0002", "0003", "0004"]
 
 
 def _postbox(url: str, *args: str) -> subprocess.CompletedProcess[str]:

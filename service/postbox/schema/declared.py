@@ -13,6 +13,7 @@ from sqlalchemy import (
     Column,
     Double,
     ForeignKey,
+    Identity,
     Index,
     Integer,
     Interval,
@@ -23,7 +24,7 @@ from sqlalchemy import (
     Text,
     text,
 )
-from sqlalchemy.dialects.postgresql import JSONB, TIMESTAMP
+from sqlalchemy.dialects.postgresql import ARRAY, JSONB, TIMESTAMP
 
 __all__ = [
     "SCHEMA",
@@ -33,6 +34,7 @@ __all__ = [
     "dead_letter_edits",
     "dead_letters",
     "inbox",
+    "inbox_commit_checks",
     "inbox_dedup",
     "inbox_keys",
     "key_repairs",
@@ -138,6 +140,17 @@ inbox_dedup = Table(
 )
 
 inbox = _queue_table("inbox", "consumer", inbox=True)
+
+# Revision 0004: transient (unlogged, empty between transactions): one row per batch receive that
+# queued messages, checked and deleted at its commit.
+inbox_commit_checks = Table(
+    "inbox_commit_checks",
+    metadata,
+    Column("id", BigInteger, Identity(), primary_key=True),
+    Column("consumers", ARRAY(Text), nullable=False),
+    Column("keys", ARRAY(Text), nullable=False),
+    prefixes=["UNLOGGED"],
+)
 
 inbox_keys = Table(
     "inbox_keys",

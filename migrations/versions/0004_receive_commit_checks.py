@@ -1,0 +1,58 @@
+"""Receiving costs less, with the same results and guarantees: a batch re-checks its queued
+messages at commit once, set-based (postbox.inbox_commit_checks and its deferred trigger), instead
+of one deferred trigger per queued message; a single receive in arrival mode writes its ledger row
+and its head in one statement. inbox_receive_v1 and inbox_receive_rows_v1 keep their signatures and
+results (bodies replaced), so processes of 0.1.0 and 0.2.0 work on it unchanged.
+
+Expand only. Replacing the per-message trigger takes the inbox's table lock for an instant (it waits
+for transactions that hold the inbox open, and holds off new ones meanwhile).
+
+Revision ID: 0004
+Revises: 0003
+Create Date: 2026-12-02
+"""
+
+from postbox.schema.apply_sql import apply_frozen, sql_file_text
+
+revision = "0004"
+down_revision = "0003"
+branch_labels = None
+depends_on = None
+
+FUNCTIONS = "functions/inbox_receive_commit_check_v1.sql"
+
+# Back to 0003: the per-message trigger for every queued row, and revision 0001's receive bodies
+# (with the rights roles_v1.sql gives them, which CREATE OR REPLACE resets).
+DOWNGRADE = """
+DROP TRIGGER IF EXISTS inbox_pending_commit ON postbox.inbox;
+CREATE CONSTRAINT TRIGGER inbox_pending_commit AFTER INSERT ON postbox.inbox
+    DEFERRABLE INITIALLY DEFERRED FOR EACH ROW WHEN (NEW.state = 'pending')
+    EXECUTE FUNCTION postbox.inbox_pending_commit_v1();
+DROP TABLE IF EXISTS postbox.inbox_commit_checks;
+DROP FUNCTION IF EXISTS postbox.inbox_commit_check_v1();
+"""
+RESTORED = ["functions/inbox_receive_v1.sql", "roles_v1.sql"]
+
+RELEASED_SHA256 = "f78b8b9e36b38888e2857b6c78a92d65195ccac6e139392ba0612ab414239772"
+
+
+def statements() -> list[str]:
+    """Every SQL text this revision applies, in order."""
+    return [sql_file_text(FUNCTIONS)]
+
+
+def downgrade_statements() -> list[str]:
+    return [DOWNGRADE, *(sql_file_text(f) for f in RESTORED)]
+
+
+def frozen() -> list[str]:
+    """All the SQL of this revision, both ways: what RELEASED_SHA256 pins."""
+    return [*statements(), *downgrade_statements()]
+
+
+def upgrade() -> None:
+    apply_frozen(revision, RELEASED_SHA256, frozen(), run=statements())
+
+
+def downgrade() -> None:
+    apply_frozen(revision, RELEASED_SHA256, frozen(), run=downgrade_statements())
