@@ -2,7 +2,9 @@
 messages at commit once, set-based (postbox.inbox_commit_checks and its deferred trigger), instead
 of one deferred trigger per queued message; a single receive in arrival mode writes its ledger row
 and its head in one statement. inbox_receive_v1 and inbox_receive_rows_v1 keep their signatures and
-results (bodies replaced), so processes of 0.1.0 and 0.2.0 work on it unchanged.
+results (bodies replaced), so processes of 0.1.0 and 0.2.0 work on it unchanged. The deduplication
+window becomes exact at its edges: it lives in the database (postbox.dedup_window, set by
+`postbox maintain`), and a receipt later than the window after the first is new again.
 
 Expand only. Replacing the per-message trigger takes the inbox's table lock for an instant (it waits
 for transactions that hold the inbox open, and holds off new ones meanwhile).
@@ -30,10 +32,14 @@ CREATE CONSTRAINT TRIGGER inbox_pending_commit AFTER INSERT ON postbox.inbox
     EXECUTE FUNCTION postbox.inbox_pending_commit_v1();
 DROP TABLE IF EXISTS postbox.inbox_commit_checks;
 DROP FUNCTION IF EXISTS postbox.inbox_commit_check_v1();
+DROP FUNCTION IF EXISTS postbox.inbox_dedup_take_expired_v1(text, text, bytea, bigint);
+DROP FUNCTION IF EXISTS postbox.dedup_window_set_v1(double precision);
+DROP FUNCTION IF EXISTS postbox.dedup_retention_v1();
+DROP TABLE IF EXISTS postbox.dedup_window;
 """
 RESTORED = ["functions/inbox_receive_v1.sql", "roles_v1.sql"]
 
-RELEASED_SHA256 = "f78b8b9e36b38888e2857b6c78a92d65195ccac6e139392ba0612ab414239772"
+RELEASED_SHA256 = "1ae0fe3e732391e41edf1cf195d201e98484d9c3d486eccef1d97f60ad8553fe"
 
 
 def statements() -> list[str]:

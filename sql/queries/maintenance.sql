@@ -48,3 +48,8 @@ SELECT k.consumer, count(*), min(k.gap_since)
  WHERE k.gap_since IS NOT NULL AND c.gap_timeout IS NOT NULL
    AND CAST(:now AS timestamptz) - k.gap_since > c.gap_timeout
  GROUP BY k.consumer;
+
+-- name: dedup_window_set
+-- The deduplication window from the configuration (receives use it: a message received again later
+-- than this after its first receipt is new). Returns the window in force.
+SELECT postbox.dedup_window_set_v1(CAST(:seconds AS double precision));

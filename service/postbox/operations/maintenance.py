@@ -3,7 +3,9 @@
 Jobs (each a function of a connection, the time and the settings, returning the rows it touched):
 
 - ``dedup_prune``: deduplication-ledger rows older than ``dedup_retention_seconds`` whose message
-  has left the inbox (and has no open dead letter) are deleted. Nothing inside the window is.
+  has left the inbox (and has no open dead letter) are deleted. Nothing inside the window is. The
+  window itself is exact whether or not a row was pruned yet: ``register`` sets it in the database
+  (``postbox.dedup_window``), and a receive finds an older row expired.
 - ``attempts_retention``: failed-attempt history older than ``attempts_retention_seconds``, except
   the history of open dead letters.
 - ``dead_letter_retention``: replayed, discarded and resolved dead letters older than
@@ -216,6 +218,9 @@ class Maintenance:
     def register(self) -> None:
         with self._connect() as conn:
             conn.execute(query("maintenance_register").psycopg, {"jobs": list(JOBS)})
+            # Receives judge the deduplication window exactly by this (pruning only reclaims space).
+            seconds = self.settings.dedup_retention_seconds
+            conn.execute(query("dedup_window_set").psycopg, {"seconds": seconds})
             conn.commit()
 
     def run_job(self, job: str, conn: psycopg.Connection[Any] | None = None) -> int:

@@ -33,6 +33,7 @@ __all__ = [
     "consumers",
     "dead_letter_edits",
     "dead_letters",
+    "dedup_window",
     "inbox",
     "inbox_commit_checks",
     "inbox_dedup",
@@ -51,6 +52,7 @@ metadata = MetaData(schema=SCHEMA)
 _C = Text(collation="C")
 _TS = TIMESTAMP(timezone=True)
 _NOW = text("now()")
+_CLAIMABLE, _PENDING = "state IN ('ready', 'running')", "state = 'pending'"
 
 
 def _queue_table(name: str, queue: str, *, inbox: bool) -> Table:
@@ -93,21 +95,8 @@ def _queue_table(name: str, queue: str, *, inbox: bool) -> Table:
         Column("replay_of", BigInteger),
         CheckConstraint("state IN ('pending', 'ready', 'running', 'blocked')"),
         Index(f"{name}_head_uq", queue, "key", unique=True, postgresql_where=text("state <> 'pending'")),
-        Index(
-            f"{name}_claim_idx",
-            queue,
-            "available_at",
-            "id",
-            postgresql_where=text("state IN ('ready', 'running')"),
-        ),
-        Index(
-            f"{name}_pending_idx",
-            queue,
-            "key",
-            "position",
-            "id",
-            postgresql_where=text("state = 'pending'"),
-        ),
+        Index(f"{name}_claim_idx", queue, "available_at", "id", postgresql_where=text(_CLAIMABLE)),
+        Index(f"{name}_pending_idx", queue, "key", "position", "id", postgresql_where=text(_PENDING)),
     )
 
 
@@ -140,6 +129,17 @@ inbox_dedup = Table(
 )
 
 inbox = _queue_table("inbox", "consumer", inbox=True)
+
+# Revision 0004: the deduplication window (one row), set by postbox maintain.
+dedup_window = Table(
+    "dedup_window",
+    metadata,
+    Column("singleton", Boolean, primary_key=True, server_default=text("true")),
+    Column("retention", Interval, nullable=False, server_default=text("'7 days'::interval")),
+    Column("set_at", _TS, nullable=False, server_default=_NOW),
+    CheckConstraint("singleton"),
+    CheckConstraint("retention > interval '0'"),
+)
 
 # Revision 0004: transient (unlogged, empty between transactions): one row per batch receive that
 # queued messages, checked and deleted at its commit.
