@@ -85,6 +85,14 @@ class Harness:
             print(f"  ! {kind} broke per-key order {bad} times", flush=True)
         return rate
 
+    def drop(self, url: str) -> None:
+        """Drop a database of this run now rather than at cleanup (a large one: disk space)."""
+        name = conninfo_to_dict(url)["dbname"]
+        with psycopg.connect(self.admin_url, autocommit=True) as c:
+            c.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        if name in self.created:
+            self.created.remove(name)
+
     def kafka(self) -> Any:
         """The run's Kafka-compatible broker (a tests.kafka_broker.Tansu, in-memory storage),
         started at the first call and killed by :meth:`cleanup`."""

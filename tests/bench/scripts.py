@@ -63,3 +63,43 @@ ON CONFLICT DO NOTHING) \
 INSERT INTO postbox.inbox (id, consumer, message_id, key, position, payload, state) SELECT id, 'bench', id::text, id::text, id, '{"i": 1}', 'ready' FROM n \
 ON CONFLICT (consumer, key) WHERE state <> 'pending' DO NOTHING;
 """
+
+# The large backlog of the claim-cost workload, built set-based (psycopg parameters): one hot key
+# (its head ready, the rest pending), keys whose head is blocked (four pending rows behind each),
+# and cold keys, each with a ready head and ``per`` pending rows behind it (a range of them per
+# statement). Keys are zero-padded so that each statement appends to the pending index in order.
+BACKLOG_HOT = """INSERT INTO postbox.inbox (consumer, message_id, key, position, payload, state)
+SELECT 'bench', 'hot-' || g, 'hot', g, '{}', CASE WHEN g = 1 THEN 'ready' ELSE 'pending' END
+  FROM generate_series(1, %(hot)s::int) g"""
+BACKLOG_BLOCKED = """INSERT INTO postbox.inbox (consumer, message_id, key, position, payload, state)
+SELECT 'bench', 'blocked-' || g, 'b' || lpad((g / 5)::text, 7, '0'), g, '{}',
+       CASE WHEN g %% 5 = 0 THEN 'blocked' ELSE 'pending' END
+  FROM generate_series(0, %(blocked)s::int * 5 - 1) g"""
+BACKLOG_COLD = """INSERT INTO postbox.inbox (consumer, message_id, key, position, payload, state)
+SELECT 'bench', 'cold-' || k || '-' || j, 'c' || lpad(k::text, 7, '0'), j, '{}',
+       CASE WHEN j = 0 THEN 'ready' ELSE 'pending' END
+  FROM generate_series(%(lo)s::int, %(hi)s::int) k, generate_series(0, %(per)s::int) j"""
+
+# Old entries of the deduplication ledger, as weeks of traffic leave them: rows {start}+1 ..
+# {start}+{rows}, received over the last 6 days. One statement per chunk, in its own transaction.
+# The one place that knows the ledger's layout for filling it (adapt it here if the ledger changes,
+# e.g. when it is partitioned by received_at).
+LEDGER_FILL = """SET LOCAL synchronous_commit = off;
+INSERT INTO postbox.inbox_dedup (consumer, message_id, payload_hash, inbox_id, received_at)
+SELECT 'bench', 'old-' || g, decode(md5(g::text), 'hex'), g, now() - random() * interval '6 days'
+  FROM generate_series({start} + 1, {start} + {rows}) g"""
+LEDGER_VACUUM = "VACUUM ANALYZE postbox.inbox_dedup"
+
+# The sustained-load workload's "done": each effect row also gets, at its transaction's commit (a
+# deferred trigger runs after the worker's complete, just before the commit record), the time from
+# the message's received_at to then. latency_ms (set by the handler) is only receive→handler start,
+# and a worker commits a whole batch at once.
+EFFECT_DONE_TRIGGER = """ALTER TABLE bench_effects ADD COLUMN done_ms double precision;
+CREATE FUNCTION bench_effect_done() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    UPDATE bench_effects SET done_ms = NEW.latency_ms + extract(epoch FROM clock_timestamp() - NEW.at) * 1000
+     WHERE id = NEW.id;
+    RETURN NULL;
+END $$;
+CREATE CONSTRAINT TRIGGER bench_effect_done AFTER INSERT ON bench_effects DEFERRABLE INITIALLY DEFERRED
+    FOR EACH ROW EXECUTE FUNCTION bench_effect_done();"""

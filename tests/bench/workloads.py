@@ -8,7 +8,6 @@ from __future__ import annotations
 import itertools
 import os
 import signal
-import statistics
 import tempfile
 import time
 import uuid
@@ -17,6 +16,7 @@ from pathlib import Path
 import psycopg
 
 import postbox
+from tests.bench.backlog import claim_complete_ms
 from tests.bench.harness import Harness, rss_mb, wait
 from tests.bench.scripts import DRAIN_SQL_FUNCTION
 from tests.helpers import spawn_postbox
@@ -27,14 +27,16 @@ KAFKA_PARTITIONS = 3
 class Bench(Harness):
     """The harness with Postbox's workloads; each returns its figure (the caller records it)."""
 
-    def receive_single(self, n: int, own_transaction: bool) -> float:
+    def receive_single(self, n: int, own_transaction: bool, keyed: bool = False) -> float:
         """One message per transaction: an implicit one (autocommit, like pgbench's single INSERT),
-        or the caller's explicit BEGIN ... COMMIT (two more round trips)."""
+        or the caller's explicit BEGIN ... COMMIT (two more round trips); over 500 keys if ``keyed``
+        (from the 501st message on, each queues behind its key's head)."""
         url = self.fresh()
         with psycopg.connect(url, autocommit=not own_transaction) as c:
             t = time.perf_counter()
             for i in range(n):
-                postbox.receive(c, consumer="bench", message_id=str(i), payload={"i": i})
+                key = {"key": f"k{i % 500}"} if keyed else {}
+                postbox.receive(c, consumer="bench", message_id=str(i), payload={"i": i}, **key)
                 if own_transaction:
                     c.commit()
             return n / (time.perf_counter() - t)
@@ -258,20 +260,7 @@ class Bench(Harness):
                       FROM generate_series(1, 499000) g;""")
             c.execute("ANALYZE postbox.inbox")
             c.commit()
-            times = []
-            for _ in range(samples):
-                t = time.perf_counter()
-                rows = c.execute(
-                    "SELECT id, attempt FROM postbox.inbox_claim_v1('bench', 'w', 1, '1 minute', now())"
-                ).fetchall()
-                c.commit()
-                c.execute(
-                    "SELECT postbox.inbox_complete_v1(%s, %s, now())",
-                    ([r[0] for r in rows], [r[1] for r in rows]),
-                )
-                c.commit()
-                times.append((time.perf_counter() - t) * 1000)
-            return statistics.median(times)
+            return claim_complete_ms(c, samples)
 
     def latency(self, rate: float, seconds: float, listen: bool) -> dict[str, float]:
         """Receive-to-handler-start latency at a steady rate, in ms (p50, p99, max)."""
