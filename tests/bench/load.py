@@ -1,0 +1,210 @@
+"""Sustained load for `make bench`: producers and workers running together, at a ladder of rates.
+
+Two worker processes (the CLI, 2 slots each, batch 10, LISTEN/NOTIFY) handle what producer
+processes receive at a fixed rate: each producer sends batches of 10 messages over 500 keys, one
+``receive_many`` transaction a batch, on a schedule (a producer that falls behind sends at once
+until it catches up). For each rate: the rate achieved, whether the backlog stayed bounded, and the
+p99 of receive→commit (the effect's transaction, see scripts.EFFECT_DONE_TRIGGER). The ladder stops
+after the first rate whose backlog grows; every rate is checked for lost, doubled or reordered
+messages, and a run that breaks one fails.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import signal
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import psycopg
+
+import postbox
+from tests.bench.harness import Harness, rss_mb, wait
+from tests.bench.scripts import EFFECT_DONE_TRIGGER
+from tests.helpers import spawn_postbox
+
+PRODUCERS = 2
+BATCH = 10
+KEYS = 500
+WORKERS = 2
+P99_LIMIT_MS = 100.0
+DRAIN_GRACE_S = 5.0  # a bounded backlog is gone this soon after the producers stop
+FRACTIONS = (0.4, 0.6, 0.8, 0.9, 1.0)  # of the ordered drain's rate in the same run
+
+
+@dataclass
+class Rung:
+    """One rate of the ladder."""
+
+    target: float  # msg/s asked of the producers
+    achieved: float  # msg/s they sent: messages / time from the start to the last commit
+    growth: float  # the backlog's growth over the second half of the period (regression), messages
+    drained_s: float  # seconds the backlog took to empty after the producers stopped
+    p50: float  # receive→commit, ms
+    p99: float
+    max: float
+
+    @property
+    def bounded(self) -> bool:
+        return self.growth <= max(50.0, self.target) and self.drained_s <= DRAIN_GRACE_S
+
+    @property
+    def ok(self) -> bool:
+        return self.bounded and self.p99 < P99_LIMIT_MS
+
+
+def _producer(url: str, p: int, commands: Any, results: Any) -> None:
+    """A producer process: for each command (tag, rate, seconds, start), receive rate x seconds
+    messages on schedule; reply (messages received as new, time of the last commit)."""
+    with psycopg.connect(url) as c:
+        results.put(("ready", p))
+        while (command := commands.get()) is not None:
+            tag, rate, seconds, start = command
+            n, new = int(rate * seconds), 0
+            for i in range(0, n, BATCH):
+                delay = start + i / rate - time.time()
+                if delay > 0:
+                    time.sleep(delay)
+                batch = [
+                    {
+                        "consumer": "bench",
+                        "message_id": f"{tag}-p{p}-{j}",
+                        "key": f"k{j % KEYS}",
+                        "sequence": j,
+                    }
+                    | {"payload": {"j": j}}
+                    for j in range(i, min(i + BATCH, n))
+                ]
+                new += sum(r.status == "new" for r in postbox.receive_many(c, batch))
+                c.commit()
+            results.put((new, time.time()))
+
+
+def _workers(url: str) -> list[Any]:
+    return [
+        spawn_postbox(
+            *("--database-url", url, "worker", "--consumer", "bench", "--app", "tests.bench.app:registry"),
+            *("--concurrency", "2", "--batch-size", str(BATCH), "--listen", "--poll-interval", "0.05"),
+        )
+        for _ in range(WORKERS)
+    ]
+
+
+def _growth(samples: list[tuple[float, int]], start: float, seconds: float) -> float:
+    """The backlog's trend over the second half of the period (least squares), in messages."""
+    half = [(t, n) for t, n in samples if t >= start + seconds / 2]
+    if len(half) < 3:
+        return 0.0
+    slope = statistics.linear_regression([t for t, _ in half], [float(n) for _, n in half]).slope
+    return slope * seconds / 2
+
+
+def _check(c: psycopg.Connection[Any], tag: str, n: int) -> list[float]:
+    """Every message of this rate gave exactly one effect, each producer's messages of a key in
+    order; returns the receive→commit latencies (ms), sorted."""
+    count, distinct, unfinished = c.execute(
+        "SELECT count(*), count(DISTINCT message_id), count(*) FILTER (WHERE done_ms IS NULL)"
+        " FROM bench_effects WHERE message_id LIKE %s",
+        (f"{tag}-%",),
+    ).fetchone()
+    bad = c.execute(
+        "SELECT count(*) FROM (SELECT seq, lag(seq) OVER (PARTITION BY key, split_part(message_id, '-', 2)"
+        " ORDER BY id) AS prev FROM bench_effects WHERE message_id LIKE %s) e WHERE seq <= prev",
+        (f"{tag}-%",),
+    ).fetchone()[0]
+    if count != n or distinct != n or bad or unfinished:
+        raise AssertionError(
+            f"sustained load broke an invariant at {tag}: {count} effects ({distinct} distinct) for {n}"
+            f" messages, {bad} out of order, {unfinished} without a commit time"
+        )
+    rows = c.execute("SELECT done_ms FROM bench_effects WHERE message_id LIKE %s", (f"{tag}-%",))
+    return sorted(r[0] for r in rows.fetchall())
+
+
+class Load:
+    """The workload's database, worker processes and producer processes."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.conn = psycopg.connect(url, autocommit=True)
+        self.conn.execute(EFFECT_DONE_TRIGGER)
+        self.workers = _workers(url)
+        ctx = multiprocessing.get_context("spawn")
+        self.results = ctx.Queue()
+        self.commands = [ctx.Queue() for _ in range(PRODUCERS)]
+        self.producers = [
+            ctx.Process(target=_producer, args=(url, p, self.commands[p], self.results), daemon=True)
+            for p in range(PRODUCERS)
+        ]
+        for proc in self.producers:
+            proc.start()
+        self.peak = 0.0
+
+    def ready(self) -> None:
+        wait(lambda: self.conn.execute("SELECT count(*) FROM postbox.workers").fetchone()[0] == WORKERS, 30)
+        for _ in range(PRODUCERS):
+            self.results.get(timeout=60)
+        self.rung("w", 100, 1)  # the workers' and producers' first batches
+
+    def _sample(self, samples: list[tuple[float, int]]) -> None:
+        self.peak = max(self.peak, *(rss_mb(w.pid) for w in self.workers))
+        samples.append((time.time(), self.conn.execute("SELECT count(*) FROM postbox.inbox").fetchone()[0]))
+
+    def rung(self, tag: str, rate: float, seconds: float) -> Rung:
+        start = time.time() + 0.2
+        for q in self.commands:
+            q.put((tag, rate / PRODUCERS, seconds, start))
+        samples: list[tuple[float, int]] = []
+        while time.time() < start + seconds:
+            time.sleep(max(0.0, start + len(samples) + 1 - time.time()))
+            self._sample(samples)
+        replies = [self.results.get(timeout=seconds + 120) for _ in range(PRODUCERS)]
+        n, last = sum(r[0] for r in replies), max(r[1] for r in replies)
+        stopped = time.time()
+        wait(lambda: not self.conn.execute("SELECT EXISTS (SELECT 1 FROM postbox.inbox)").fetchone()[0], 300)
+        drained = time.time() - stopped
+        self.peak = max(self.peak, *(rss_mb(w.pid) for w in self.workers))
+        lat = _check(self.conn, tag, n)
+        quantiles = {"p50": lat[len(lat) // 2], "p99": lat[max(0, int(len(lat) * 0.99) - 1)], "max": lat[-1]}
+        return Rung(rate, n / (last - start), _growth(samples, start, seconds), drained, **quantiles)
+
+    def close(self) -> None:
+        for q in self.commands:
+            q.put(None)
+        for proc in self.producers:
+            proc.join(10)
+        for w in self.workers:
+            w.send_signal(signal.SIGTERM)
+        for w in self.workers:
+            w.wait(30)
+        self.conn.close()
+
+
+def sustained(b: Harness, drain_rate: float, seconds: float) -> tuple[Rung | None, float, list[Rung]]:
+    """The ladder at FRACTIONS of ``drain_rate``, ``seconds`` each (up to the first whose backlog
+    grows): the highest rung with a bounded backlog and p99 under P99_LIMIT_MS (None if none), the
+    workers' peak RSS (MB), every rung run."""
+    url = b.fresh()
+    load = Load(url)
+    rungs: list[Rung] = []
+    try:
+        load.ready()
+        for k, fraction in enumerate(FRACTIONS):
+            rung = load.rung(f"r{k}", fraction * drain_rate, seconds)
+            rungs.append(rung)
+            print(
+                f"    {fraction:.1f} x drain: {rung.achieved:,.0f} msg/s of {rung.target:,.0f}, backlog growth"
+                f" {rung.growth:,.0f}, drained in {rung.drained_s:.1f} s, receive→commit p50 {rung.p50:.1f}"
+                f" p99 {rung.p99:.1f} max {rung.max:.1f} ms: {'ok' if rung.ok else 'FAILED'}",
+                flush=True,
+            )
+            if not rung.bounded:  # a higher rate would only pile up more
+                break
+    finally:
+        load.close()
+        b.drop(url)
+    b.extra.setdefault("sustained load rungs", []).append([asdict(r) | {"ok": r.ok} for r in rungs])
+    best = max((r for r in rungs if r.ok), key=lambda r: r.achieved, default=None)
+    return best, load.peak, rungs
