@@ -150,3 +150,59 @@ def test_transcribed_figures_keep_the_published_ratios_per_repetition():
     page = report.results_page(run)
     assert table_row(page, "ordered drain / pgbench INSERT+UPDATE")[2] == "0.76, 0.87, 0.80"
     assert table_row(page, "relay to RabbitMQ, rows/s")[2] == ""
+
+
+def test_single_receive_is_checked_against_pgqueuers_single_enqueue_and_pgbench_only_explains():
+    results = {
+        r.name: r
+        for r in (
+            Result(report.SINGLE_INSERT, "tx/s", [3000.0]),
+            Result(report.RECEIVE_SINGLE, "msg/s", [1200.0]),
+            Result(report.RECEIVE_SINGLE_KEYED, "msg/s", [900.0]),
+            Result(report.PGQUEUER_SINGLE, "msg/s", [1000.0]),
+            Result(report.RECEIVE_MANY_KEYED, "msg/s", [9000.0]),
+            Result(report.PGQUEUER_BATCH, "msg/s", [18000.0]),
+        )
+    }
+    page = report.results_page(small_run(results=results))
+    assert table_row(page, "single receive / pgqueuer single enqueue")[1:] == ["1.20", "", "≥ 1", "yes"]
+    assert table_row(page, "single receive with a key / pgqueuer single enqueue")[1:] == [
+        "0.90",
+        "",
+        "≥ 1",
+        "**no**",
+    ]
+    # informational now: no target, shown as an explanation of the checks above it
+    assert table_row(page, "↳ single receive / pgbench single INSERT")[1:] == ["0.40", "", "", ""]
+    assert table_row(page, "receive_many over 500 keys / pgqueuer batch enqueue")[1:] == [
+        "0.50",
+        "",
+        "≥ 1",
+        "**no**",
+    ]
+
+
+def test_the_weight_of_a_large_backlog_and_ledger_and_the_sustained_load_are_checked():
+    results = {
+        r.name: r
+        for r in (
+            Result(report.DRAIN, "msg/s", [3000.0, 3200.0, 2800.0]),
+            Result(report.CLAIM_10K, "ms", [2.0, 2.2, 2.1]),
+            Result(report.CLAIM_10M, "ms", [3.0]),
+            Result(report.LEDGER_EMPTY, "ms", [1.0]),
+            Result(report.LEDGER_BIG, "ms", [1.3]),
+            Result(report.SUSTAINED, "msg/s", [2700.0]),
+            Result(report.SUSTAINED_P99, "ms", [40.0]),
+            Result(report.SUSTAINED_RSS, "MB", [90.0]),
+        )
+    }
+    page = report.results_page(small_run(results=results))
+    assert table_row(page, "claim cost with the 10M backlog / with 10k")[1:] == ["1.43", "", "≤ 1.5", "yes"]
+    # time per receive: above 1.2 means more than 20 % slower with the big ledger
+    label = "receive with the 50M-row ledger / with an empty ledger (time per receive)"
+    assert table_row(page, label)[1:] == ["1.30", "", "≤ 1.2", "**no**"]
+    # the highest sustained rate over the drain's median (3,000)
+    label = "sustained rate (bounded backlog, p99 < 100 ms) / ordered drain"
+    assert table_row(page, label)[1:] == ["0.90", "", "≥ 0.8", "yes"]
+    assert table_row(page, "worker peak RSS under sustained load, MB")[1:] == ["90.0", "", "≤ 100", "yes"]
+    assert table_row(page, report.SUSTAINED_P99) == [report.SUSTAINED_P99, "40.0", "", "ms"]

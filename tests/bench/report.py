@@ -24,6 +24,8 @@ RESULTS_PAGE = REPO / "docs" / "benchmarks-results.md"
 
 SINGLE_INSERT = "pgbench single INSERT, -c 1"
 RECEIVE_SINGLE = "receive, 1 message per transaction"
+RECEIVE_SINGLE_KEYED = "receive with a key (500 keys), 1 message per transaction"
+PGQUEUER_SINGLE = "pgqueuer enqueue, 1 job per call, autocommit"
 PSYCOPG_INSERT = "psycopg single INSERT, autocommit"
 PGBENCH_RECEIVE = "pgbench inbox_receive_v1 per transaction, -c 1"
 TWO_ROWS = "pgbench ledger + inbox INSERTs with their checks (no function), -c 1"
@@ -45,6 +47,14 @@ RELAY_KAFKA = "relay to kafka, 500 keys, in order, confirmed"
 TOPOLOGY_RATE = 100  # A's messages a second in the A→C latency workload
 CLAIM_10K = "claim+complete, 10k ready"
 CLAIM_1M = "claim+complete, 1M backlog (hot key 500k, 1k blocked)"
+CLAIM_10M = "claim+complete, 10M backlog (100k keys, hot key 1M, 10k blocked)"
+BACKLOG_BUILD = "building the 10M backlog (INSERT ... SELECT, VACUUM ANALYZE)"
+LEDGER_EMPTY = "receive, empty deduplication ledger, time per receive"
+LEDGER_BIG = "receive, 50M-row deduplication ledger, time per receive"
+LEDGER_FILL = "filling the 50M-row ledger (INSERT ... SELECT, VACUUM ANALYZE)"
+SUSTAINED = "sustained load: highest rate with a bounded backlog and p99 < 100 ms"
+SUSTAINED_P99 = "sustained load: receive→commit p99 at that rate"
+SUSTAINED_RSS = "worker peak RSS under sustained load"
 REPLAY = "replay send-back, blocked dead letters, batch 500"
 LATENCY_LISTEN_P99 = "receive→handler at 200 msg/s, LISTEN/NOTIFY, p99"
 PROCRASTINATE_ORDERED = "procrastinate drain, lock=<key>, 500 keys, 2 proc x 2"
@@ -140,7 +150,7 @@ CHECKS: tuple[Check, ...] = (
         detail=True,
     ),
     Check(
-        "receive_many over 500 keys / pgqueuer batch enqueue", RECEIVE_MANY_KEYED, PGQUEUER_BATCH, detail=True
+        "receive_many over 500 keys / pgqueuer batch enqueue", RECEIVE_MANY_KEYED, PGQUEUER_BATCH, (">=", 1.0)
     ),
     Check(
         "pgbench ledger + inbox rows, 500 per statement / pgqueuer batch enqueue (storage floor)",
@@ -155,11 +165,27 @@ CHECKS: tuple[Check, ...] = (
         ("<=", 1.0),
     ),
     Check("claim cost with the 1M backlog / with 10k", CLAIM_1M, CLAIM_10K, ("<=", 1.5)),
+    Check("claim cost with the 10M backlog / with 10k", CLAIM_10M, CLAIM_10K, ("<=", 1.5)),
+    Check(
+        "receive with the 50M-row ledger / with an empty ledger (time per receive)",
+        LEDGER_BIG,
+        LEDGER_EMPTY,
+        ("<=", 1.2),
+    ),
+    Check("sustained rate (bounded backlog, p99 < 100 ms) / ordered drain", SUSTAINED, DRAIN, (">=", 0.8)),
+    Check("worker peak RSS under sustained load, MB", SUSTAINED_RSS, target=("<=", 100)),
     Check("relay to PostgreSQL, rows/s", RELAY_POSTGRES, target=(">=", 5000)),
     Check("relay to RabbitMQ, rows/s", RELAY_RABBITMQ, target=(">=", 3000)),
     Check("relay to Kafka / relay to RabbitMQ", RELAY_KAFKA, RELAY_RABBITMQ, (">=", 1.0)),
     Check("worker peak RSS, MB", DRAIN_RSS, target=("<=", 150)),
-    Check("single receive / pgbench single INSERT", RECEIVE_SINGLE, SINGLE_INSERT, (">=", 0.80)),
+    Check("single receive / pgqueuer single enqueue", RECEIVE_SINGLE, PGQUEUER_SINGLE, (">=", 1.0)),
+    Check(
+        "single receive with a key / pgqueuer single enqueue",
+        RECEIVE_SINGLE_KEYED,
+        PGQUEUER_SINGLE,
+        (">=", 1.0),
+    ),
+    Check("single receive / pgbench single INSERT", RECEIVE_SINGLE, SINGLE_INSERT, detail=True),
     Check(
         "single receive / psycopg single INSERT (same Python client)",
         RECEIVE_SINGLE,
