@@ -152,3 +152,121 @@ def test_postbox_maintain_sets_the_window_receives_judge_by(database):
     assert scalar(database.url, "SELECT extract(epoch FROM retention) FROM postbox.dedup_window") == 90.5
     with psycopg.connect(database.url) as c, pytest.raises(psycopg.Error, match="must be a positive"):
         c.execute("SELECT postbox.dedup_window_set_v1(0)")
+
+
+def _rotate_due(url: str) -> int:
+    """Make the rotation due (as if a window and its margin had passed) and run it."""
+    with psycopg.connect(url) as c:
+        c.execute("UPDATE postbox.dedup_window SET rotated_at = now() - interval '1 day'")
+        c.commit()
+        rows = c.execute("SELECT postbox.dedup_rotate_v1(now())").fetchone()
+        c.commit()
+    return int(rows[0]) if rows else -1
+
+
+def _slots(url: str) -> dict[str, int]:
+    with psycopg.connect(url) as c:
+        return dict(
+            c.execute("SELECT message_id, slot FROM postbox.inbox_dedup ORDER BY message_id").fetchall()
+        )
+
+
+def test_a_rotation_truncates_the_older_slot_and_keeps_every_decision(url):
+    """Receipts move through the two slots: after one rotation a receipt is in the older slot and
+    still counts; the next rotation drops it only once it is past the window, and carries over the
+    receipts of messages still live or dead-lettered."""
+    for m in ("old", "recent"):
+        assert _receive(url, m, key=m) == "new"
+    _processed(url)
+    assert _slots(url) == {"old": 0, "recent": 0}
+    assert _rotate_due(url) == 0  # slot 1 was empty
+    assert scalar(url, "SELECT current_slot FROM postbox.dedup_window") == 1
+    # In the older slot, inside the window: still duplicates.
+    assert _receive(url, "old", key="old") == "duplicate"
+    assert _receive(url, "recent", key="recent") == "duplicate"
+    with psycopg.connect(url) as c:  # a message still live whose receipt is past the window
+        postbox.receive(c, consumer="idle", message_id="kept", payload=1)  # no worker: stays live
+        c.execute("UPDATE postbox.inbox_dedup SET slot = 0 WHERE message_id = 'kept'")
+        c.commit()
+    _received_ago(url, "old", WINDOW + 1)
+    _received_ago(url, "kept", WINDOW + 1)
+    assert _receive(url, "old", key="old") == "new"  # past the window: new, written to slot 1
+    _processed(url, consumer="c")
+    _received_ago(url, "recent", WINDOW + 1)  # as a real rotation finds every row of the older slot
+    _rotate_due(url)
+    assert scalar(url, "SELECT current_slot FROM postbox.dedup_window") == 0
+    slots = _slots(url)
+    assert "recent" not in slots, "a receipt past the window stayed"
+    assert slots == {"old": 1, "kept": 1}, slots  # the live one was carried over from slot 0
+    with psycopg.connect(url) as c:
+        assert postbox.receive(c, consumer="idle", message_id="kept", payload=1).status.value == "duplicate"
+    assert _receive(url, "old", key="old") == "duplicate"
+    assert _receive(url, "recent", key="recent") == "new"
+
+
+def test_a_rotation_waits_for_a_transaction_that_wrote_the_slot_it_passes(url):
+    """A receive's transaction holds the ledger until it ends: the rotation waits for it (its
+    receipt is in the slot that becomes the older one, seen by later receives), and a concurrent
+    receive of the same id after the rotation is a duplicate."""
+    with psycopg.connect(url) as open_tx:
+        assert postbox.receive(open_tx, consumer="c", message_id="m", payload=1).status.value == "new"
+        rotated: list[int] = []
+        rotation = threading.Thread(target=lambda: rotated.append(_rotate_due(url)))
+        rotation.start()
+        eventually(
+            lambda: scalar(
+                url,
+                "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
+                " AND query LIKE '%%dedup_rotate_v1%%'",
+            ) == 1,
+            what="the rotation waits for the open receive",
+        )  # fmt: skip
+        open_tx.commit()
+        rotation.join(30)
+    assert rotated == [0]
+    assert scalar(url, "SELECT current_slot FROM postbox.dedup_window") == 1
+    assert _receive(url, "m") == "duplicate"
+    assert _slots(url) == {"m": 0}
+
+
+def test_many_producers_racing_rotations_accept_each_id_once(url):
+    """Two producers send the same ids at once while rotations are forced as fast as they go (the
+    window is a day: no receipt ever expires): each id becomes exactly one inbox message."""
+    with psycopg.connect(url) as c:
+        c.execute("SELECT postbox.dedup_window_set_v1(86400)")
+        c.commit()
+    ids = [f"m{i}" for i in range(300)]
+    done = threading.Event()
+    errors: list[BaseException] = []
+
+    def produce() -> None:
+        try:
+            with psycopg.connect(url) as c:
+                for i in range(0, len(ids), 3):
+                    postbox.receive_many(
+                        c, [{"consumer": "c", "message_id": m, "payload": 1} for m in ids[i : i + 3]]
+                    )
+                    c.commit()
+        except BaseException as error:
+            errors.append(error)
+
+    def rotate() -> None:  # one rotation per 50 ms: the producers, in step, never sit two apart
+        while not done.wait(0.05):
+            with psycopg.connect(url) as c:
+                c.execute("UPDATE postbox.dedup_window SET rotated_at = now() - interval '3 days'")
+                c.commit()
+                c.execute("SELECT postbox.dedup_rotate_v1(now())")
+                c.commit()
+
+    rotator = threading.Thread(target=rotate)
+    rotator.start()
+    producers = [threading.Thread(target=produce) for _ in range(2)]
+    for t in producers:
+        t.start()
+    for t in producers:
+        t.join(60)
+    done.set()
+    rotator.join(30)
+    assert not errors, errors
+    assert scalar(url, "SELECT count(*) FROM postbox.inbox") == len(ids)
+    assert scalar(url, "SELECT count(DISTINCT message_id) FROM postbox.inbox") == len(ids)

@@ -38,33 +38,35 @@ def _ledger(url: str, consumer: str) -> dict[str, object]:
     return dict(rows)
 
 
-def test_dedup_retention_under_load_keeps_the_window_and_live_messages(database):
-    """While a worker processes a stream of messages, the dedup-pruning job, driven by a FakeClock
-    moved 20 minutes per round (window: 1 hour), never deletes a ledger row received inside the
-    window nor one of a message still in the inbox (processing or never processed), and once the
-    window has passed it keeps the ledger from growing: every processed message's row goes."""
+def test_dedup_rotation_under_load_keeps_the_window_and_live_messages(database):
+    """While a worker processes a stream of messages, the dedup job, driven by a FakeClock moved 20
+    minutes per round (window: 1 hour; a rotation is due a window and a margin of an hour after the
+    last), only ever drops the older slot: no ledger row received inside the window goes, every
+    message still in the inbox keeps its receipt, and two rotations later the receipts of processed
+    messages are gone while those of live ones stay."""
     url = database.url
     with psycopg.connect(url) as c:
         c.execute(EFFECTS_DDL)
+        c.execute("UPDATE postbox.dedup_window SET rotated_at = now()")  # the last rotation: now
         c.commit()
     clock = FakeClock()
-    maintenance = Maintenance(
-        url, MaintenanceSettings(dedup_retention_seconds=WINDOW, batch_size=37), clock=clock
-    )
+    maintenance = Maintenance(url, MaintenanceSettings(dedup_retention_seconds=WINDOW), clock=clock)
+    maintenance.register()
     worker = Worker(url, basic_registry, WorkerSettings(consumer="basic", concurrency=2, **FAST_WORKER))
     worker.start()
+    rotations = 0
     try:
         for round_ in range(8):
             _receive(url, "basic", [f"r{round_}-{i}" for i in range(150)])
             _receive(url, "idle", [f"idle-{round_}-{i}" for i in range(2)])  # no worker: stays live
             clock.advance(1200)
             before = _ledger(url, "basic")
-            deleted = maintenance.run_job("dedup_prune")  # while the worker is still processing
+            slot = scalar(url, "SELECT current_slot FROM postbox.dedup_window")
+            maintenance.run_job("dedup_prune")  # while the worker is still processing
+            rotations += scalar(url, "SELECT current_slot FROM postbox.dedup_window") != slot
             cutoff = clock.now() - timedelta(seconds=WINDOW)
-            after = _ledger(url, "basic")
             inside = {m for m, at in before.items() if at >= cutoff}
-            assert inside <= set(after), "a ledger row inside the dedup window was deleted"
-            assert len(before) - len(after) <= deleted
+            assert inside <= set(_ledger(url, "basic")), "a ledger row inside the dedup window was dropped"
             assert (
                 scalar(
                     url,
@@ -73,13 +75,14 @@ def test_dedup_retention_under_load_keeps_the_window_and_live_messages(database)
                 )
                 == 0
             ), "a live message lost its ledger row"
-            if round_ < 2:
-                assert deleted == 0  # everything is younger than the window
+        assert rotations == 1
         eventually(lambda: scalar(url, "SELECT count(*) = 0 FROM postbox.inbox WHERE consumer = 'basic'"))
-        maintenance.run_job("dedup_prune")
+        for _ in range(2):
+            clock.advance(3 * WINDOW)
+            maintenance.run_job("dedup_prune")
         assert scalar(url, "SELECT count(*) FROM effects") >= 8 * 150
         assert _ledger(url, "basic") == {}, "processed messages past the window stay in the ledger"
-        assert len(_ledger(url, "idle")) == 16, "a live message's ledger row was pruned"
+        assert len(_ledger(url, "idle")) == 16, "a live message's ledger row was dropped"
     finally:
         worker.stop()
         worker.join()

@@ -53,6 +53,8 @@ TABLES: dict[str, frozenset[str]] = {
     | {WORKER, MAINTAINER},  # bridges wait for their consumer; maintenance: gap timeouts
     "inbox": READ_ALL,
     "inbox_dedup": READ_ALL,
+    "inbox_dedup_0": READ_ALL,
+    "inbox_dedup_1": READ_ALL,
     "inbox_commit_checks": READ_ALL,
     "dedup_window": READ_ALL | {MAINTAINER},  # maintenance reads the window it set
     "inbox_keys": READ_ALL | {MAINTAINER},
@@ -129,6 +131,7 @@ FUNCTIONS: dict[str, frozenset[str]] = {
     "maintenance_finish_v1": frozenset({MAINTAINER}),
     "prune_dedup_v1": frozenset({MAINTAINER}),
     "dedup_window_set_v1": frozenset({MAINTAINER}),
+    "dedup_rotate_v1": frozenset({MAINTAINER}),
     "prune_attempts_v1": frozenset({MAINTAINER}),
     "prune_dead_letters_v1": frozenset({MAINTAINER}),
     "maintenance_repair_keys_v1": frozenset({MAINTAINER}),
@@ -191,6 +194,8 @@ FUNCTIONS: dict[str, frozenset[str]] = {
             "repair_keys_v1",
             "inbox_receive_rows_v1",
             "dedup_retention_v1",
+            "dedup_current_slot_v1",
+            "inbox_dedup_held_v1",
             "inbox_dedup_take_expired_v1",
             "inbox_batch_ok_v1",
             "inbox_receive_many_v1",
@@ -623,8 +628,10 @@ def test_maintenance_runs_every_job_as_a_maintainer_login(database, logins):
     the gauges too."""
     url = database.url
     with database.connect() as c:
-        c.execute("""INSERT INTO postbox.inbox_dedup (consumer, message_id, payload_hash, inbox_id, received_at)
-                     VALUES ('c', 'gone', '\\x00', 424242, now() - interval '40 days')""")
+        # In the older slot, the window and its margin long passed: the rotation drops it.
+        c.execute("""INSERT INTO postbox.inbox_dedup (consumer, message_id, payload_hash, inbox_id, received_at, slot)
+                     VALUES ('c', 'gone', '\\x00', 424242, now() - interval '40 days', 1)""")
+        c.execute("UPDATE postbox.dedup_window SET rotated_at = now() - interval '40 days'")
         c.execute("""INSERT INTO postbox.dead_letters (origin, origin_id, consumer, message_id, key, position, payload,
                          received_at, attempt, reason, ordering_policy, status, dead_lettered_at, status_changed_at)
                      VALUES ('inbox', 7, 'c', 'old', 'k', 1, '1', now(), 1, 'permanent', 'block', 'resolved',

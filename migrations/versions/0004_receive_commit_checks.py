@@ -21,7 +21,7 @@ down_revision = "0003"
 branch_labels = None
 depends_on = None
 
-FUNCTIONS = "functions/inbox_receive_commit_check_v1.sql"
+FUNCTIONS = ["functions/inbox_dedup_slots_v1.sql", "functions/inbox_receive_commit_check_v1.sql"]
 
 # Back to 0003: the per-message trigger for every queued row, and revision 0001's receive bodies
 # (with the rights roles_v1.sql gives them, which CREATE OR REPLACE resets).
@@ -33,18 +33,36 @@ CREATE CONSTRAINT TRIGGER inbox_pending_commit AFTER INSERT ON postbox.inbox
 DROP TABLE IF EXISTS postbox.inbox_commit_checks;
 DROP FUNCTION IF EXISTS postbox.inbox_commit_check_v1();
 DROP FUNCTION IF EXISTS postbox.inbox_dedup_take_expired_v1(text, text, bytea, bigint);
+DROP FUNCTION IF EXISTS postbox.inbox_dedup_held_v1(text, text, smallint, interval);
+-- The ledger in one table again: slot 0 keeps its rows, and takes slot 1's newer receipts.
+ALTER TABLE postbox.inbox_dedup DETACH PARTITION postbox.inbox_dedup_0;
+ALTER TABLE postbox.inbox_dedup DETACH PARTITION postbox.inbox_dedup_1;
+DROP TABLE postbox.inbox_dedup;
+INSERT INTO postbox.inbox_dedup_0 AS d (consumer, message_id, payload_hash, inbox_id, received_at, slot)
+SELECT consumer, message_id, payload_hash, inbox_id, received_at, 0 FROM postbox.inbox_dedup_1
+ON CONFLICT (consumer, message_id) DO UPDATE
+   SET payload_hash = excluded.payload_hash, inbox_id = excluded.inbox_id, received_at = excluded.received_at
+ WHERE excluded.received_at > d.received_at;
+DROP TABLE postbox.inbox_dedup_1;
+ALTER TABLE postbox.inbox_dedup_0 DROP COLUMN slot;
+ALTER TABLE postbox.inbox_dedup_0 RENAME TO inbox_dedup;
+ALTER INDEX postbox.inbox_dedup_0_pkey RENAME TO inbox_dedup_pkey;
+CREATE INDEX inbox_dedup_received_at_brin ON postbox.inbox_dedup USING brin (received_at);
+COMMENT ON TABLE postbox.inbox_dedup IS 'Deduplication ledger: one row per (consumer, message_id) ever received, kept for the retention window after the message left the inbox.';
+DROP FUNCTION IF EXISTS postbox.dedup_rotate_v1(timestamptz);
 DROP FUNCTION IF EXISTS postbox.dedup_window_set_v1(double precision);
+DROP FUNCTION IF EXISTS postbox.dedup_current_slot_v1();
 DROP FUNCTION IF EXISTS postbox.dedup_retention_v1();
 DROP TABLE IF EXISTS postbox.dedup_window;
 """
-RESTORED = ["functions/inbox_receive_v1.sql", "roles_v1.sql"]
+RESTORED = ["functions/inbox_receive_v1.sql", "functions/roles_api_v1.sql", "roles_v1.sql"]
 
-RELEASED_SHA256 = "1ae0fe3e732391e41edf1cf195d201e98484d9c3d486eccef1d97f60ad8553fe"
+RELEASED_SHA256 = "10d1c7bdef47300b5b468c64ba0dc698ef14e07f5edaf518e23a4e7ec413f6e5"
 
 
 def statements() -> list[str]:
     """Every SQL text this revision applies, in order."""
-    return [sql_file_text(FUNCTIONS)]
+    return [sql_file_text(f) for f in FUNCTIONS]
 
 
 def downgrade_statements() -> list[str]:

@@ -23,10 +23,10 @@ SELECT postbox.maintenance_finish_v1(:job, CAST(:now AS timestamptz), CAST(:rows
 -- name: maintenance_last_success
 SELECT job, extract(epoch FROM last_success_at)::float8 FROM postbox.maintenance_runs WHERE last_success_at IS NOT NULL;
 
--- name: prune_dedup
--- Ledger rows older than the deduplication window whose message has left the inbox and has no
--- open dead letter (a replay may still bring it back). Returns how many were deleted.
-SELECT postbox.prune_dedup_v1(CAST(:cutoff AS timestamptz), CAST(:limit AS integer));
+-- name: dedup_rotate
+-- Truncate the deduplication ledger's older slot and make it the one receives write, once a window
+-- (and a margin) has passed since the last rotation. Returns about how many rows it dropped.
+SELECT postbox.dedup_rotate_v1(CAST(:now AS timestamptz));
 
 -- name: prune_attempts
 -- Failed-attempt history older than the retention, except that of open dead letters.

@@ -2,10 +2,11 @@
 
 Jobs (each a function of a connection, the time and the settings, returning the rows it touched):
 
-- ``dedup_prune``: deduplication-ledger rows older than ``dedup_retention_seconds`` whose message
-  has left the inbox (and has no open dead letter) are deleted. Nothing inside the window is. The
-  window itself is exact whether or not a row was pruned yet: ``register`` sets it in the database
-  (``postbox.dedup_window``), and a receive finds an older row expired.
+- ``dedup_prune``: the deduplication ledger's older slot is truncated once ``dedup_retention_seconds``
+  (and a margin) have passed since the last rotation, and becomes the slot receives write; the
+  receipts of messages still live or dead-lettered are carried over first. Nothing inside the
+  window is dropped, and the window is exact whether or not a row was dropped yet: ``register`` sets
+  it in the database (``postbox.dedup_window``), and a receive finds an older receipt expired.
 - ``attempts_retention``: failed-attempt history older than ``attempts_retention_seconds``, except
   the history of open dead letters.
 - ``dead_letter_retention``: replayed, discarded and resolved dead letters older than
@@ -82,8 +83,12 @@ def _batched(conn: psycopg.Connection[Any], name: str, params: dict[str, Any], s
 def dedup_prune(
     conn: psycopg.Connection[Any], now: datetime, s: MaintenanceSettings, stop: threading.Event
 ) -> int:
-    cutoff = now - timedelta(seconds=s.dedup_retention_seconds)
-    return _batched(conn, "prune_dedup", {"cutoff": cutoff}, s, stop)
+    """Rotate the ledger's two slots once a window has passed since the last rotation: the older
+    slot is truncated (its live and dead-lettered receipts carried over), never deleted row by row.
+    About how many rows it dropped."""
+    with conn.transaction():
+        row = conn.execute(query("dedup_rotate").psycopg, {"now": now}).fetchone()
+    return int(row[0]) if row and row[0] is not None else 0
 
 
 def attempts_retention(

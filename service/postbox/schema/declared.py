@@ -13,18 +13,18 @@ from sqlalchemy import (
     Column,
     Double,
     ForeignKey,
-    Identity,
     Index,
     Integer,
     Interval,
-    LargeBinary,
-    MetaData,
     PrimaryKeyConstraint,
     Table,
     Text,
     text,
 )
-from sqlalchemy.dialects.postgresql import ARRAY, JSONB, TIMESTAMP
+from sqlalchemy.dialects.postgresql import JSONB
+
+from postbox.schema.declared_base import C_TEXT, NOW, SCHEMA, TIMESTAMPTZ, metadata
+from postbox.schema.declared_receive import dedup_window, inbox_commit_checks, inbox_dedup, inbox_keys
 
 __all__ = [
     "SCHEMA",
@@ -46,12 +46,7 @@ __all__ = [
     "workers",
 ]
 
-SCHEMA = "postbox"
-metadata = MetaData(schema=SCHEMA)
-
-_C = Text(collation="C")
-_TS = TIMESTAMP(timezone=True)
-_NOW = text("now()")
+_C, _TS, _NOW = C_TEXT, TIMESTAMPTZ, NOW
 _CLAIMABLE, _PENDING = "state IN ('ready', 'running')", "state = 'pending'"
 
 
@@ -116,52 +111,7 @@ consumers = Table(
     Column("updated_at", _TS, nullable=False, server_default=_NOW),
 )
 
-inbox_dedup = Table(
-    "inbox_dedup",
-    metadata,
-    Column("consumer", _C, nullable=False),
-    Column("message_id", _C, nullable=False),
-    Column("payload_hash", LargeBinary, nullable=False),
-    Column("inbox_id", BigInteger, nullable=False),
-    Column("received_at", _TS, nullable=False, server_default=_NOW),
-    PrimaryKeyConstraint("consumer", "message_id"),
-    Index("inbox_dedup_received_at_brin", "received_at", postgresql_using="brin"),
-)
-
 inbox = _queue_table("inbox", "consumer", inbox=True)
-
-# Revision 0004: the deduplication window (one row), set by postbox maintain.
-dedup_window = Table(
-    "dedup_window",
-    metadata,
-    Column("singleton", Boolean, primary_key=True, server_default=text("true")),
-    Column("retention", Interval, nullable=False, server_default=text("'7 days'::interval")),
-    Column("set_at", _TS, nullable=False, server_default=_NOW),
-    CheckConstraint("singleton"),
-    CheckConstraint("retention > interval '0'"),
-)
-
-# Revision 0004: transient (unlogged, empty between transactions): one row per batch receive that
-# queued messages, checked and deleted at its commit.
-inbox_commit_checks = Table(
-    "inbox_commit_checks",
-    metadata,
-    Column("id", BigInteger, Identity(), primary_key=True),
-    Column("consumers", ARRAY(Text), nullable=False),
-    Column("keys", ARRAY(Text), nullable=False),
-    prefixes=["UNLOGGED"],
-)
-
-inbox_keys = Table(
-    "inbox_keys",
-    metadata,
-    Column("consumer", _C, nullable=False),
-    Column("key", _C, nullable=False),
-    Column("last_sequence", BigInteger),
-    Column("last_done_at", _TS),
-    Column("gap_since", _TS),
-    PrimaryKeyConstraint("consumer", "key"),
-)
 
 outbox = _queue_table("outbox", "destination", inbox=False)
 
