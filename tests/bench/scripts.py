@@ -80,13 +80,14 @@ SELECT 'bench', 'cold-' || k || '-' || j, 'c' || lpad(k::text, 7, '0'), j, '{}',
        CASE WHEN j = 0 THEN 'ready' ELSE 'pending' END
   FROM generate_series(%(lo)s::int, %(hi)s::int) k, generate_series(0, %(per)s::int) j"""
 
-# Old entries of the deduplication ledger, as weeks of traffic leave them: rows {start}+1 ..
-# {start}+{rows}, received over the last 6 days. One statement per chunk, in its own transaction.
-# The one place that knows the ledger's layout for filling it (adapt it here if the ledger changes,
-# e.g. when it is partitioned by received_at).
+# Old entries of the deduplication ledger, as two weeks of traffic leave them between rotations:
+# rows {start}+1 .. {start}+{rows}, half in the current slot (received over the last 6 days), half
+# in the previous one (7 to 13 days ago), so a receive looks up both. One statement per chunk, in
+# its own transaction. The one place that knows the ledger's layout for filling it.
 LEDGER_FILL = """SET LOCAL synchronous_commit = off;
-INSERT INTO postbox.inbox_dedup (consumer, message_id, payload_hash, inbox_id, received_at)
-SELECT 'bench', 'old-' || g, decode(md5(g::text), 'hex'), g, now() - random() * interval '6 days'
+INSERT INTO postbox.inbox_dedup (consumer, message_id, payload_hash, inbox_id, received_at, slot)
+SELECT 'bench', 'old-' || g, decode(md5(g::text), 'hex'), g,
+       now() - random() * interval '6 days' - (g % 2) * interval '7 days', (g % 2)::smallint
   FROM generate_series({start} + 1, {start} + {rows}) g"""
 LEDGER_VACUUM = "VACUUM ANALYZE postbox.inbox_dedup"
 
