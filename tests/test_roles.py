@@ -195,7 +195,7 @@ FUNCTIONS: dict[str, frozenset[str]] = {
             "inbox_receive_rows_v1",
             "dedup_retention_v1",
             "dedup_current_slot_v1",
-            "inbox_dedup_held_v1",
+            "inbox_receipt_live_v1",
             "inbox_dedup_take_expired_v1",
             "inbox_batch_ok_v1",
             "inbox_receive_many_v1",

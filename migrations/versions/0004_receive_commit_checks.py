@@ -32,8 +32,8 @@ CREATE CONSTRAINT TRIGGER inbox_pending_commit AFTER INSERT ON postbox.inbox
     EXECUTE FUNCTION postbox.inbox_pending_commit_v1();
 DROP TABLE IF EXISTS postbox.inbox_commit_checks;
 DROP FUNCTION IF EXISTS postbox.inbox_commit_check_v1();
-DROP FUNCTION IF EXISTS postbox.inbox_dedup_take_expired_v1(text, text, bytea, bigint);
-DROP FUNCTION IF EXISTS postbox.inbox_dedup_held_v1(text, text, smallint, interval);
+DROP FUNCTION IF EXISTS postbox.inbox_dedup_take_expired_v1(text, text, bytea, bigint, smallint, interval);
+DROP FUNCTION IF EXISTS postbox.inbox_receipt_live_v1(text, text, bigint);
 -- The ledger in one table again: slot 0 keeps its rows, and takes slot 1's newer receipts.
 ALTER TABLE postbox.inbox_dedup DETACH PARTITION postbox.inbox_dedup_0;
 ALTER TABLE postbox.inbox_dedup DETACH PARTITION postbox.inbox_dedup_1;
@@ -57,7 +57,7 @@ DROP TABLE IF EXISTS postbox.dedup_window;
 """
 RESTORED = ["functions/inbox_receive_v1.sql", "functions/roles_api_v1.sql", "roles_v1.sql"]
 
-RELEASED_SHA256 = "10d1c7bdef47300b5b468c64ba0dc698ef14e07f5edaf518e23a4e7ec413f6e5"
+RELEASED_SHA256 = "0fcee67f1c8a0483db9fa940c1f34b818e3a194144d862e6f7d7db3875fe93c0"
 
 
 def statements() -> list[str]:

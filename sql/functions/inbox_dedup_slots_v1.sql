@@ -17,9 +17,11 @@
 -- Every row it drops was received more than a window before: no decision changes. The ledger holds
 -- about two windows of ids at most, and is never pruned row by row.
 --
--- A receive reads the current slot in the statement that writes it, after that statement has taken
--- its lock on the ledger: a rotation waits for every transaction that wrote the slot it passes, and
--- no receive writes a slot after the rotation has passed it.
+-- A receive takes its lock on the ledger (ROW EXCLUSIVE, held to the end of its transaction) before
+-- it reads the current slot: a rotation waits for every transaction that may write the slot it
+-- passes, and a receive that waited for a rotation reads the slot it made current. (Under
+-- REPEATABLE READ, whose snapshot may predate the rotation, the receive locks the window's row,
+-- which fails with a serialization error if a rotation changed it; the producer retries.)
 
 CREATE TABLE postbox.dedup_window (
     singleton     boolean PRIMARY KEY DEFAULT true CHECK (singleton),
@@ -83,40 +85,36 @@ COMMENT ON COLUMN postbox.inbox_dedup.slot IS 'The ledger slot (partition) the r
 COMMENT ON TABLE postbox.inbox_dedup_0 IS 'Deduplication ledger, slot 0 (see postbox.inbox_dedup).';
 COMMENT ON TABLE postbox.inbox_dedup_1 IS 'Deduplication ledger, slot 1 (see postbox.inbox_dedup).';
 
--- Whether slot p_slot holds a receipt of the id that still counts: inside the window, or its
--- message still in the inbox or dead-lettered.
-CREATE OR REPLACE FUNCTION postbox.inbox_dedup_held_v1(
-    p_consumer text, p_message_id text, p_slot smallint, p_retention interval) RETURNS boolean
-LANGUAGE sql STABLE AS $$
-    SELECT EXISTS (
-        SELECT 1 FROM postbox.inbox_dedup d
-         WHERE d.slot = p_slot AND d.consumer = p_consumer AND d.message_id = p_message_id
-           AND (d.received_at >= now() - p_retention
-                OR EXISTS (SELECT 1 FROM postbox.inbox i WHERE i.id = d.inbox_id)
-                OR EXISTS (SELECT 1 FROM postbox.dead_letters x
-                            WHERE x.message_id = d.message_id AND x.consumer = d.consumer
-                              AND x.status IN ('open', 'replaying'))))
+-- Whether a receipt's message is still live (in the inbox) or dead-lettered (open, or being
+-- replayed): such a receipt counts past the window. plpgsql, so its two index probes are planned
+-- once per session (a SQL function with subqueries is planned at every call).
+CREATE OR REPLACE FUNCTION postbox.inbox_receipt_live_v1(p_consumer text, p_message_id text, p_inbox_id bigint)
+RETURNS boolean
+LANGUAGE plpgsql STABLE AS $$
+BEGIN
+    RETURN EXISTS (SELECT 1 FROM postbox.inbox i WHERE i.id = p_inbox_id)
+        OR EXISTS (SELECT 1 FROM postbox.dead_letters x
+                    WHERE x.message_id = p_message_id AND x.consumer = p_consumer
+                      AND x.status IN ('open', 'replaying'));
+END
 $$;
 
--- A ledger row of the current slot outside the window, whose message is neither live nor
--- dead-lettered, is taken over by a new receipt of its id (given the new payload's hash and inbox
--- id): true if it was. A concurrent receipt of the same id waits for the row, then finds it inside
+-- A ledger row of the current slot (p_slot) outside the window (p_window), whose message is
+-- neither live nor dead-lettered, is taken over by a new receipt of its id (given the new payload's
+-- hash and inbox id): true if it was. A concurrent receipt of the same id waits for the row, then finds it inside
 -- the window.
 CREATE OR REPLACE FUNCTION postbox.inbox_dedup_take_expired_v1(
-    p_consumer text, p_message_id text, p_hash bytea, p_inbox_id bigint) RETURNS boolean
-LANGUAGE sql VOLATILE AS $$
-    WITH t AS (
-        UPDATE postbox.inbox_dedup d
-           SET payload_hash = p_hash, inbox_id = p_inbox_id, received_at = now()
-          FROM postbox.dedup_window w
-         WHERE d.slot = w.current_slot AND d.consumer = p_consumer AND d.message_id = p_message_id
-           AND d.received_at < now() - w.retention
-           AND NOT EXISTS (SELECT 1 FROM postbox.inbox i WHERE i.id = d.inbox_id)
-           AND NOT EXISTS (SELECT 1 FROM postbox.dead_letters x
-                            WHERE x.message_id = d.message_id AND x.consumer = d.consumer
-                              AND x.status IN ('open', 'replaying'))
-        RETURNING 1)
-    SELECT EXISTS (SELECT 1 FROM t)
+    p_consumer text, p_message_id text, p_hash bytea, p_inbox_id bigint, p_slot smallint, p_window interval)
+RETURNS boolean
+LANGUAGE plpgsql VOLATILE AS $$
+BEGIN
+    UPDATE postbox.inbox_dedup d
+       SET payload_hash = p_hash, inbox_id = p_inbox_id, received_at = now()
+     WHERE d.slot = p_slot AND d.consumer = p_consumer AND d.message_id = p_message_id
+       AND d.received_at < now() - p_window
+       AND NOT postbox.inbox_receipt_live_v1(d.consumer, d.message_id, d.inbox_id);
+    RETURN FOUND;
+END
 $$;
 
 -- Maintenance: rotate the ledger's slots if a window (and the margin) has passed since the last
@@ -180,8 +178,8 @@ ALTER FUNCTION postbox.dedup_rotate_v1(timestamptz) SECURITY DEFINER SET search_
 ALTER FUNCTION postbox.prune_dedup_v1(timestamptz, integer) SECURITY DEFINER SET search_path = pg_catalog, postbox, pg_temp;
 REVOKE ALL ON FUNCTION postbox.dedup_window_set_v1(double precision), postbox.dedup_rotate_v1(timestamptz),
     postbox.dedup_retention_v1(), postbox.dedup_current_slot_v1(),
-    postbox.inbox_dedup_held_v1(text, text, smallint, interval),
-    postbox.inbox_dedup_take_expired_v1(text, text, bytea, bigint) FROM PUBLIC;
+    postbox.inbox_receipt_live_v1(text, text, bigint),
+    postbox.inbox_dedup_take_expired_v1(text, text, bytea, bigint, smallint, interval) FROM PUBLIC;
 GRANT EXECUTE ON FUNCTION postbox.dedup_window_set_v1(double precision), postbox.dedup_rotate_v1(timestamptz)
     TO postbox_maintainer;
 REVOKE ALL ON postbox.dedup_window, postbox.inbox_dedup, postbox.inbox_dedup_0, postbox.inbox_dedup_1 FROM PUBLIC;
