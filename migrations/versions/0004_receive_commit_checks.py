@@ -57,7 +57,7 @@ DROP TABLE IF EXISTS postbox.dedup_window;
 """
 RESTORED = ["functions/inbox_receive_v1.sql", "functions/roles_api_v1.sql", "roles_v1.sql"]
 
-RELEASED_SHA256 = "0fcee67f1c8a0483db9fa940c1f34b818e3a194144d862e6f7d7db3875fe93c0"
+RELEASED_SHA256 = "03caeb6aa9131002ad10abf954cac774004d2752783bea8058c6eb78bc55d10d"
 
 
 def statements() -> list[str]:

@@ -437,16 +437,17 @@ BEGIN
                    f.payload, f.headers, f.correlation_id, f.causation_id, f.source, 'ready'
               FROM f
               -- Index probes per message (never a scan of the queue): the key's head, if any (then
-              -- the message queues behind it), and its queued messages, which it must not overtake.
+              -- the message queues behind it), else its queued messages, which it must not overtake.
               LEFT JOIN LATERAL (
-                   SELECT true AS present FROM postbox.inbox x
-                    WHERE x.consumer = f.consumer AND x.key = f.key AND x.state <> 'pending'
-                    LIMIT 1) head ON true
-              LEFT JOIN LATERAL (
-                   SELECT true AS queued FROM postbox.inbox p
-                    WHERE p.consumer = f.consumer AND p.key = f.key AND p.state = 'pending' AND p.position < f.id
-                    LIMIT 1) pend ON true
-             WHERE head.present IS NULL AND pend.queued IS NULL
+                   (SELECT true AS taken FROM postbox.inbox x
+                     WHERE x.consumer = f.consumer AND x.key = f.key AND x.state <> 'pending'
+                     LIMIT 1)
+                   UNION ALL
+                   (SELECT true FROM postbox.inbox p
+                     WHERE p.consumer = f.consumer AND p.key = f.key AND p.state = 'pending' AND p.position < f.id
+                     LIMIT 1)
+                   LIMIT 1) busy ON true
+             WHERE busy.taken IS NULL
              ORDER BY f.consumer, f.key, f.id
             ON CONFLICT (consumer, key) WHERE state <> 'pending' DO NOTHING
             RETURNING i.id, i.consumer)
