@@ -61,6 +61,10 @@ class KafkaBrokerLog(threading.Thread):
                 "bootstrap.servers": broker.bootstrap,
                 "group.id": f"{topic}-log",
                 "enable.auto.commit": False,
+                # Should a cut ever leave a partition without a valid position, read it again from
+                # the start (re-reads count as redeliveries): never skip to its end, librdkafka's
+                # default, which would report every later record missing.
+                "auto.offset.reset": "earliest",
                 "reconnect.backoff.max.ms": 500,
                 "log_level": 2,  # the cut's connection errors are expected: not on the run's output
             }
