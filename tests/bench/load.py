@@ -32,7 +32,7 @@ WORKERS = 2
 P99_LIMIT_MS = 100.0
 GROWTH_SHARE = 0.02
 DRAIN_GRACE_S = 5.0  # a bounded backlog is gone this soon after the producers stop
-FRACTIONS = (0.4, 0.6, 0.8, 0.9, 1.0)  # of the ordered drain's rate in the same run
+FRACTIONS = (0.1, 0.2, 0.3, 0.4, 0.6, 0.8, 1.0)  # of the ordered drain's rate in the same run
 
 
 @dataclass
