@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import random
 import threading
+from collections.abc import Callable
 
 import psycopg
 import pytest
@@ -36,6 +37,20 @@ def _recording_worker(url: str, batch_size: int) -> Worker:
     return w
 
 
+def _race(url: str, producer: Callable[[int], None], producers: int, messages: int, timeout: float) -> None:
+    """Run ``producers`` threads of ``producer`` to the end, then wait until every message has its effect."""
+    threads = [threading.Thread(target=producer, args=(p,)) for p in range(producers)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    eventually(
+        lambda: scalar(url, "SELECT count(*) FROM effects") == messages,
+        timeout=timeout,
+        what="every message processed",
+    )
+
+
 def test_producer_worker_race_never_orphans_a_message(db):
     """One key hammered by concurrent producers while workers finish heads as fast as they can:
     every message is processed (none left without a head), each producer's messages in its order."""
@@ -49,17 +64,8 @@ def test_producer_worker_race_never_orphans_a_message(db):
                 postbox.receive(c, consumer="c", message_id=f"p{p}-{i}", key="hot", payload={"p": p, "i": i})
                 c.commit()
 
-    threads = [threading.Thread(target=producer, args=(p,)) for p in range(4)]
     try:
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        eventually(
-            lambda: scalar(url, "SELECT count(*) FROM effects") == 4 * per_producer,
-            timeout=60,
-            what="every message processed",
-        )
+        _race(url, producer, producers=4, messages=4 * per_producer, timeout=60)
         assert scalar(url, "SELECT count(*) FROM postbox.inbox") == 0
     finally:
         w.stop()
@@ -292,17 +298,8 @@ def test_keyed_batches_racing_workers_never_orphan_a_message(db):
                 )
                 c.commit()
 
-    threads = [threading.Thread(target=producer, args=(p,)) for p in range(3)]
     try:
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        eventually(
-            lambda: scalar(url, "SELECT count(*) FROM effects") == 3 * rounds * size,
-            timeout=90,
-            what="every message processed",
-        )
+        _race(url, producer, producers=3, messages=3 * rounds * size, timeout=90)
         assert scalar(url, "SELECT count(*) FROM postbox.inbox") == 0
         assert scalar(url, "SELECT count(*) FROM postbox.inbox_commit_checks") == 0
     finally:
