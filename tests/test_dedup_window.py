@@ -229,6 +229,19 @@ def test_a_rotation_waits_for_a_transaction_that_wrote_the_slot_it_passes(url):
     assert _slots(url) == {"m": 0}
 
 
+def test_a_repeatable_read_receive_whose_snapshot_predates_a_rotation_gets_a_retryable_error(url):
+    """Its snapshot shows the slot the rotation passed: writing it could hide a duplicate, so the
+    receive fails with a serialization error (the producer retries) instead."""
+    with psycopg.connect(url) as producer:
+        producer.isolation_level = psycopg.IsolationLevel.REPEATABLE_READ
+        producer.execute("SELECT 1")  # the transaction's snapshot, before the rotation
+        _rotate_due(url)
+        with pytest.raises(psycopg.errors.SerializationFailure):
+            postbox.receive(producer, consumer="c", message_id="m", payload=1)
+    assert _receive(url, "m") == "new"
+    assert _slots(url) == {"m": 1}
+
+
 def test_many_producers_racing_rotations_accept_each_id_once(url):
     """Two producers send the same ids at once while rotations are forced as fast as they go (the
     window is a day: no receipt ever expires): each id becomes exactly one inbox message."""

@@ -57,7 +57,7 @@ DROP TABLE IF EXISTS postbox.dedup_window;
 """
 RESTORED = ["functions/inbox_receive_v1.sql", "functions/roles_api_v1.sql", "roles_v1.sql"]
 
-RELEASED_SHA256 = "03caeb6aa9131002ad10abf954cac774004d2752783bea8058c6eb78bc55d10d"
+RELEASED_SHA256 = "59a9848a9ee6a8f67846add1a23b5eb294a5ab49177901c48642da3e962968bd"
 
 
 def statements() -> list[str]:

@@ -24,20 +24,21 @@ CREATE UNLOGGED TABLE postbox.inbox_commit_checks (
 );
 COMMENT ON TABLE postbox.inbox_commit_checks IS 'Transient: one row per batch receive that queued messages behind their keys'' heads, checked and deleted by its deferred trigger at the batch''s commit (always empty between transactions; unlogged).';
 
--- At the commit of a batch that queued messages: every key it queued under still has a head, or
--- gets a repair (as inbox_pending_commit_v1 does for one message), holding each key's lock shared.
+-- At the commit of a batch that queued messages: every key it queued under (NEW names each once)
+-- still has a head, or gets a repair (as inbox_pending_commit_v1 does for one message), holding
+-- each key's lock shared.
 CREATE OR REPLACE FUNCTION postbox.inbox_commit_check_v1() RETURNS trigger
 LANGUAGE plpgsql AS $$
 BEGIN
     -- postbox.lock_key_shared_v1(1, ...) for every key, inline (one statement, no call per key).
     PERFORM pg_advisory_xact_lock_shared(1349471041, hashtext(k.consumer || '/' || k.key))
-       FROM (SELECT DISTINCT u.consumer, u.key FROM unnest(NEW.consumers, NEW.keys) AS u(consumer, key)
+       FROM (SELECT u.consumer, u.key FROM unnest(NEW.consumers, NEW.keys) AS u(consumer, key)
               ORDER BY 1, 2) k;
     IF current_setting('transaction_isolation') <> 'read committed' THEN
         -- Under REPEATABLE READ a head that changed after our snapshot must not be trusted: locking
         -- it fails with a serialization error instead, which the producer retries.
         PERFORM 1
-           FROM (SELECT DISTINCT u.consumer, u.key FROM unnest(NEW.consumers, NEW.keys) AS u(consumer, key)) k,
+           FROM unnest(NEW.consumers, NEW.keys) AS k(consumer, key),
                 LATERAL (SELECT 1 FROM postbox.inbox i
                           WHERE i.consumer = k.consumer AND i.key = k.key AND i.state <> 'pending'
                             FOR KEY SHARE) h;
@@ -45,7 +46,7 @@ BEGIN
     -- Index probes per key (the heads' unique index), never a scan of the queue.
     INSERT INTO postbox.key_repairs (origin, queue, key)
     SELECT 'inbox', k.consumer, k.key
-      FROM (SELECT DISTINCT u.consumer, u.key FROM unnest(NEW.consumers, NEW.keys) AS u(consumer, key)) k
+      FROM unnest(NEW.consumers, NEW.keys) AS k(consumer, key)
       LEFT JOIN LATERAL (SELECT true AS present FROM postbox.inbox i
                           WHERE i.consumer = k.consumer AND i.key = k.key AND i.state <> 'pending'
                           LIMIT 1) h ON true
