@@ -53,3 +53,21 @@ SELECT k.consumer, count(*), min(k.gap_since)
 -- The deduplication window from the configuration (receives use it: a message received again later
 -- than this after its first receipt is new). Returns the window in force.
 SELECT postbox.dedup_window_set_v1(CAST(:seconds AS double precision));
+
+-- name: vacuum_candidates
+-- The queue tables with at least :min_dead dead row versions (the statistics', a second or so
+-- behind), and whether this role may vacuum them: on PostgreSQL 15, their owner, the database's
+-- owner or a superuser (a member of one counts).
+SELECT c.relname::text,
+       r.rolsuper OR pg_has_role(c.relowner, 'USAGE') OR pg_has_role(d.datdba, 'USAGE'),
+       pg_stat_get_dead_tuples(c.oid)
+  FROM pg_class c
+  JOIN pg_namespace n ON n.oid = c.relnamespace
+  JOIN pg_roles r ON r.rolname = current_user
+  JOIN pg_database d ON d.datname = current_database()
+ WHERE n.nspname = 'postbox' AND c.relname IN ('inbox', 'outbox')
+   AND pg_stat_get_dead_tuples(c.oid) >= CAST(:min_dead AS bigint)
+ ORDER BY c.relname;
+
+-- name: autovacuum_enabled
+SELECT current_setting('autovacuum')::boolean;

@@ -16,6 +16,8 @@ Jobs (each a function of a connection, the time and the settings, returning the 
 - ``repair_keys``: the safety net for orphaned keys (a ``key_repairs`` row older than a few
   seconds means no worker or relay claimed for that queue): gives them their next head.
 - ``gap_timeouts``: reports (log line, gauge) gapless keys waiting past their ``gap_timeout``.
+- ``vacuum_queues``: vacuums the inbox and the outbox once their dead row versions pile up, if the
+  process's role may (:mod:`postbox.operations.vacuum`).
 
 Deletes go in small batches (``maintenance_batch_size`` rows per transaction, ``SKIP LOCKED``), so
 they never hold locks long nor build one huge transaction. A job runs at most once per period across
@@ -39,6 +41,7 @@ from postbox.clock import Clock, SystemClock
 from postbox.db import query
 from postbox.operations import metrics
 from postbox.operations.runtime import Presence, process_id
+from postbox.operations.vacuum import check_server, vacuum_queues
 
 __all__ = ["JOBS", "Maintenance", "MaintenanceSettings"]
 
@@ -171,6 +174,7 @@ JOBS: dict[str, JobFunc] = {
     "reap_stale_workers": reap_stale_workers,
     "repair_keys": repair_keys,
     "gap_timeouts": gap_timeouts,
+    "vacuum_queues": vacuum_queues,
 }
 
 DEFAULT_PERIODS: dict[str, float] = {
@@ -180,6 +184,7 @@ DEFAULT_PERIODS: dict[str, float] = {
     "reap_stale_workers": 10.0,
     "repair_keys": 10.0,
     "gap_timeouts": 60.0,
+    "vacuum_queues": 5.0,
 }
 
 
@@ -227,6 +232,9 @@ class Maintenance:
             seconds = self.settings.dedup_retention_seconds
             conn.execute(query("dedup_window_set").psycopg, {"seconds": seconds})
             conn.commit()
+            if not check_server(conn) and "vacuum_queues" in self.jobs:
+                # Leave its runs to a process that may vacuum (each job runs once per period).
+                self.jobs.remove("vacuum_queues")
 
     def run_job(self, job: str, conn: psycopg.Connection[Any] | None = None) -> int:
         """Run ``job`` now, whatever its schedule (tests, operators); the rows it touched."""
