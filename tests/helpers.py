@@ -6,11 +6,13 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+import uuid
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import psycopg
+from psycopg import sql
 
 T = TypeVar("T")
 
@@ -88,3 +90,22 @@ def spawn_postbox(*args: str, stderr: int = subprocess.DEVNULL) -> subprocess.Po
         stdout=subprocess.DEVNULL,
         stderr=stderr,
     )
+
+
+def role_login(database: Any, role: str, tag: str) -> Iterator[str]:
+    """For a fixture: a login granted only ``role`` in ``database`` (a tests.conftest.Database), with a
+    name unique to the test (roles belong to the cluster); its URL, then it is dropped with whatever
+    it was granted."""
+    from tests.conftest import _conninfo_url
+
+    name, password = f"pbx_{tag}_{uuid.uuid4().hex[:10]}", uuid.uuid4().hex
+    with database.connect(autocommit=True) as c:
+        c.execute(sql.SQL("CREATE ROLE {} LOGIN PASSWORD {} IN ROLE {}").format(
+            sql.Identifier(name), sql.Literal(password), sql.Identifier(role)))  # fmt: skip
+    try:
+        yield _conninfo_url(dict(database.server.params, dbname=database.name, user=name, password=password))
+    finally:
+        with database.connect(autocommit=True) as c:
+            c.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE usename = %s", (name,))
+            c.execute(sql.SQL("DROP OWNED BY {}").format(sql.Identifier(name)))
+            c.execute(sql.SQL("DROP ROLE {}").format(sql.Identifier(name)))

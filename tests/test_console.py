@@ -8,11 +8,9 @@ import html
 import re
 import subprocess
 import sys
-import uuid
 from collections.abc import Iterator
 
 import pytest
-from psycopg import sql
 from starlette.testclient import TestClient
 
 from postbox.config.settings import ConsoleOptions, load_settings
@@ -20,7 +18,7 @@ from postbox.console.app import create_app
 from postbox.console.auth import Users, hash_password
 from postbox.errors import ConfigError
 from tests.conftest import Database, _cloned, _conninfo_url
-from tests.helpers import eventually, scalar
+from tests.helpers import eventually, role_login, scalar
 from tests.test_replay import SHOP_DDL, dead_letter_all_paid
 
 OPERATOR, OPERATOR_PASSWORD = "alice", "correct horse battery"
@@ -79,17 +77,7 @@ def shop(pg_server, seeded) -> Iterator[Database]:
 @pytest.fixture
 def operator_url(shop: Database) -> Iterator[str]:
     """A login granted only postbox_operator (what the console runs as), dropped afterwards."""
-    name, password = f"pbx_console_{uuid.uuid4().hex[:10]}", uuid.uuid4().hex
-    with shop.connect(autocommit=True) as c:
-        c.execute(sql.SQL("CREATE ROLE {} LOGIN PASSWORD {} IN ROLE postbox_operator").format(
-            sql.Identifier(name), sql.Literal(password)))  # fmt: skip
-    try:
-        yield _conninfo_url(dict(shop.server.params, dbname=shop.name, user=name, password=password))
-    finally:
-        with shop.connect(autocommit=True) as c:
-            c.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE usename = %s", (name,))
-            c.execute(sql.SQL("DROP OWNED BY {}").format(sql.Identifier(name)))
-            c.execute(sql.SQL("DROP ROLE {}").format(sql.Identifier(name)))
+    yield from role_login(shop, "postbox_operator", "console")
 
 
 @pytest.fixture

@@ -650,12 +650,15 @@ def test_maintenance_runs_every_job_as_a_maintainer_login(database, logins):
         dedup_retention_seconds=day, attempts_retention_seconds=day, dead_letter_retention_seconds=day
     )
     m = Maintenance(logins[MAINTAINER], settings, clock=FakeClock(), heartbeat_interval=0.5)
-    assert m.run_once() == dict.fromkeys(JOBS, True)
+    # All but vacuum_queues: the role owns no table, so it leaves vacuuming to autovacuum or to a
+    # process that may (tests/test_vacuum.py).
+    jobs = [job for job in JOBS if job != "vacuum_queues"]
+    assert m.run_once() == dict.fromkeys(jobs, True)
     with database.connect() as c:
         runs = c.execute(
             "SELECT job, last_success_at IS NOT NULL, last_error FROM postbox.maintenance_runs"
         ).fetchall()
-        assert sorted(runs) == sorted((job, True, None) for job in JOBS)
+        assert sorted(runs) == sorted([*((job, True, None) for job in jobs), ("vacuum_queues", False, None)])
         assert c.execute("SELECT state FROM postbox.inbox WHERE message_id = 'orphan'").fetchone() == (
             "ready",
         )

@@ -4,16 +4,14 @@ rows pile up; postbox_maintainer, which owns nothing, leaves them to autovacuum 
 from __future__ import annotations
 
 import logging
-import uuid
 from collections.abc import Iterator
 
 import psycopg
 import pytest
-from psycopg import sql
 
 from postbox.operations import vacuum
 from postbox.operations.maintenance import Maintenance
-from tests.conftest import _conninfo_url
+from tests.helpers import role_login
 
 
 def _churn(url: str, table: str, queue: str, rows: int) -> None:
@@ -37,19 +35,7 @@ def _vacuums(url: str, table: str) -> int:
 @pytest.fixture
 def maintainer_url(database) -> Iterator[str]:
     """A login in postbox_maintainer only, unique to this test."""
-    name, password = f"pbx_{uuid.uuid4().hex[:10]}_vac", uuid.uuid4().hex
-    with database.connect(autocommit=True) as c:
-        c.execute(
-            sql.SQL("CREATE ROLE {} LOGIN PASSWORD {} IN ROLE postbox_maintainer").format(
-                sql.Identifier(name), sql.Literal(password)
-            )
-        )
-    try:
-        yield _conninfo_url(dict(database.server.params, dbname=database.name, user=name, password=password))
-    finally:
-        with database.connect(autocommit=True) as c:
-            c.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE usename = %s", (name,))
-            c.execute(sql.SQL("DROP ROLE {}").format(sql.Identifier(name)))
+    yield from role_login(database, "postbox_maintainer", "vacuum")
 
 
 @pytest.fixture(autouse=True)

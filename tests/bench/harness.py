@@ -139,12 +139,16 @@ class Harness:
                 return float(line.split()[2])
         raise RuntimeError(f"no tps in pgbench output: {out}")
 
-    def server(self) -> tuple[str, str]:
-        """The server's version and its ``synchronous_commit`` (for the machine summary)."""
+    def server(self) -> tuple[str, str, str]:
+        """The server's version, its ``synchronous_commit`` and its ``autovacuum`` (for the machine
+        summary)."""
         with psycopg.connect(self.admin_url, autocommit=True) as c:
-            version = c.execute("SHOW server_version").fetchone()
-            sync = c.execute("SHOW synchronous_commit").fetchone()
-        return (str(version[0]) if version else "?"), (str(sync[0]) if sync else "?")
+            shown = [
+                c.execute(f"SHOW {name}").fetchone()
+                for name in ("server_version", "synchronous_commit", "autovacuum")
+            ]
+        version, sync, autovacuum = (str(row[0]) if row else "?" for row in shown)
+        return version, sync, autovacuum
 
 
 def wait(check: Callable[[], bool], timeout: float) -> None:

@@ -1,12 +1,17 @@
 """Sustained load for `make bench`: producers and workers running together, at a ladder of rates.
 
-Two worker processes (the CLI, 2 slots each, batch 10, LISTEN/NOTIFY) handle what producer
-processes receive at a fixed rate: each producer sends batches of 10 messages over 500 keys, one
+Two worker processes (the CLI, 2 slots each, batches of up to 50 like the ordered drain whose rate
+the ladder is made of, LISTEN/NOTIFY) handle what producer processes receive at a fixed rate: each producer sends batches of 10 messages over 500 keys, one
 ``receive_many`` transaction a batch, on a schedule (a producer that falls behind sends at once
 until it catches up). For each rate: the rate achieved, whether the backlog stayed bounded, and the
 p99 of receive→commit (the effect's transaction, see scripts.EFFECT_DONE_TRIGGER). The ladder stops
 after the first rate whose backlog grows; every rate is checked for lost, doubled or reordered
 messages, and a run that breaks one fails.
+
+Queue tables under sustained load need vacuuming (docs/operations.md): ``postbox maintain`` runs
+beside the workers as the schema's owner (its vacuum_queues job vacuums them every few seconds), and
+a server whose autovacuum is off (a CI server's setting) gets it turned on for the ladder, as every
+production server has it, and back off afterwards.
 """
 
 from __future__ import annotations
@@ -26,7 +31,8 @@ from tests.bench.scripts import EFFECT_DONE_TRIGGER
 from tests.helpers import spawn_postbox
 
 PRODUCERS = 2
-BATCH = 10
+BATCH = 10  # messages per producer transaction
+WORKER_BATCH = 10
 KEYS = 500
 WORKERS = 2
 P99_LIMIT_MS = 100.0
@@ -91,7 +97,7 @@ def _workers(url: str) -> list[Any]:
     return [
         spawn_postbox(
             *("--database-url", url, "worker", "--consumer", "bench", "--app", "tests.bench.app:registry"),
-            *("--concurrency", "2", "--batch-size", str(BATCH), "--listen", "--poll-interval", "0.05"),
+            *("--concurrency", "2", "--batch-size", str(WORKER_BATCH), "--listen", "--poll-interval", "0.05"),
         )
         for _ in range(WORKERS)
     ]
@@ -136,6 +142,8 @@ class Load:
         self.conn = psycopg.connect(url, autocommit=True)
         self.conn.execute(EFFECT_DONE_TRIGGER)
         self.workers = _workers(url)
+        # Deployed beside the workers, as the schema's owner here: it vacuums the queue tables.
+        self.maintain = spawn_postbox("--database-url", url, "maintain")
         ctx = multiprocessing.get_context("spawn")
         self.results = ctx.Queue()
         self.commands = [ctx.Queue() for _ in range(PRODUCERS)]
@@ -148,7 +156,8 @@ class Load:
         self.peak = 0.0
 
     def ready(self) -> None:
-        wait(lambda: self.conn.execute("SELECT count(*) FROM postbox.workers").fetchone()[0] == WORKERS, 30)
+        workers = "SELECT count(*) FILTER (WHERE kind = 'worker'), count(*) FROM postbox.workers"
+        wait(lambda: self.conn.execute(workers).fetchone() == (WORKERS, WORKERS + 1), 30)
         for _ in range(PRODUCERS):
             self.results.get(timeout=60)
         self.rung("w", 100, 1)  # the workers' and producers' first batches
@@ -180,18 +189,31 @@ class Load:
             q.put(None)
         for proc in self.producers:
             proc.join(10)
-        for w in self.workers:
+        for w in (*self.workers, self.maintain):
             w.send_signal(signal.SIGTERM)
-        for w in self.workers:
+        for w in (*self.workers, self.maintain):
             w.wait(30)
         self.conn.close()
 
 
-def sustained(b: Harness, drain_rate: float, seconds: float) -> tuple[Rung | None, float, list[Rung]]:
-    """The ladder at FRACTIONS of ``drain_rate``, ``seconds`` each (up to the first whose backlog
-    grows): the highest rung with a bounded backlog and p99 under P99_LIMIT_MS (None if none), the
-    workers' peak RSS (MB), every rung run."""
-    url = b.fresh()
+def _server_setting(b: Harness, statement: str) -> None:
+    with psycopg.connect(b.admin_url, autocommit=True) as c:
+        c.execute(statement)
+        c.execute("SELECT pg_reload_conf()")
+
+
+def _autovacuum_on(b: Harness) -> bool:
+    """Turn the server's autovacuum on if it is off; whether it was (to turn it back off)."""
+    with psycopg.connect(b.admin_url, autocommit=True) as c:
+        if c.execute("SHOW autovacuum").fetchone()[0] == "on":
+            return False
+    print("    the server's autovacuum is off: on for the ladder (ALTER SYSTEM), off again after", flush=True)
+    _server_setting(b, "ALTER SYSTEM SET autovacuum = on")
+    b.extra["sustained load autovacuum"] = "turned on for the ladder (the server has it off)"
+    return True
+
+
+def _ladder(url: str, drain_rate: float, seconds: float) -> tuple[Load, list[Rung]]:
     load = Load(url)
     rungs: list[Rung] = []
     try:
@@ -209,7 +231,21 @@ def sustained(b: Harness, drain_rate: float, seconds: float) -> tuple[Rung | Non
                 break
     finally:
         load.close()
+    return load, rungs
+
+
+def sustained(b: Harness, drain_rate: float, seconds: float) -> tuple[Rung | None, float, list[Rung]]:
+    """The ladder at FRACTIONS of ``drain_rate``, ``seconds`` each (up to the first whose backlog
+    grows): the highest rung with a bounded backlog and p99 under P99_LIMIT_MS (None if none), the
+    workers' peak RSS (MB), every rung run."""
+    url = b.fresh()
+    restore = _autovacuum_on(b)
+    try:
+        load, rungs = _ladder(url, drain_rate, seconds)
+    finally:
         b.drop(url)
+        if restore:
+            _server_setting(b, "ALTER SYSTEM RESET autovacuum")
     b.extra.setdefault("sustained load rungs", []).append([asdict(r) | {"ok": r.ok} for r in rungs])
     best = max((r for r in rungs if r.ok), key=lambda r: r.achieved, default=None)
     return best, load.peak, rungs

@@ -249,7 +249,7 @@ class Run:
         return [(c, c.value(self.results), c.per_repetition(self.results)) for c in have]
 
 
-def machine_summary(server_version: str, synchronous_commit: str) -> str:
+def machine_summary(server_version: str, synchronous_commit: str, autovacuum: str = "?") -> str:
     """This machine in one line: cores, CPU model, memory, the PostgreSQL server, Python."""
     model = ""
     try:
@@ -267,7 +267,8 @@ def machine_summary(server_version: str, synchronous_commit: str) -> str:
         memory = ""
     return (
         f"{os.cpu_count()} cores{model}{memory}; {platform.system()} {platform.release()}; "
-        f"PostgreSQL {server_version}, synchronous_commit {synchronous_commit}; "
+        f"PostgreSQL {server_version}, synchronous_commit {synchronous_commit}, autovacuum {autovacuum}"
+        " (the sustained-load workload runs with it on); "
         f"Python {platform.python_version()}"
     )
 

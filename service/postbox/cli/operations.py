@@ -115,9 +115,9 @@ def maintain(
     connect_timeout: float | None,
     as_json: bool,
 ) -> None:
-    """Run the maintenance jobs (retention, dedup pruning, stale workers, key repairs, gap timeouts)
-    on their schedule until SIGTERM/SIGINT. Safe to run in several processes: each job runs once
-    per period across all of them."""
+    """Run the maintenance jobs (retention, dedup pruning, stale workers, key repairs, gap timeouts,
+    queue vacuums) on their schedule until SIGTERM/SIGINT. Safe to run in several processes: each job
+    runs once per period across all of them."""
     from postbox.operations.maintenance import JOBS, Maintenance, MaintenanceSettings
 
     s = _settings(ctx)
