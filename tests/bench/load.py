@@ -9,9 +9,9 @@ after the first rate whose backlog grows; every rate is checked for lost, double
 messages, and a run that breaks one fails.
 
 Queue tables under sustained load need vacuuming (docs/operations.md): ``postbox maintain`` runs
-beside the workers as the schema's owner (its vacuum_queues job vacuums them every few seconds), and
-a server whose autovacuum is off (a CI server's setting) gets it turned on for the ladder, as every
-production server has it, and back off afterwards.
+beside the workers as the schema's owner, and its vacuum_queues job vacuums them every few seconds.
+The server's autovacuum is left as it is (the results page's header says which): turned on in the
+middle of a run on a server that had it off, it would first catch up with every other database.
 """
 
 from __future__ import annotations
@@ -196,23 +196,6 @@ class Load:
         self.conn.close()
 
 
-def _server_setting(b: Harness, statement: str) -> None:
-    with psycopg.connect(b.admin_url, autocommit=True) as c:
-        c.execute(statement)
-        c.execute("SELECT pg_reload_conf()")
-
-
-def _autovacuum_on(b: Harness) -> bool:
-    """Turn the server's autovacuum on if it is off; whether it was (to turn it back off)."""
-    with psycopg.connect(b.admin_url, autocommit=True) as c:
-        if c.execute("SHOW autovacuum").fetchone()[0] == "on":
-            return False
-    print("    the server's autovacuum is off: on for the ladder (ALTER SYSTEM), off again after", flush=True)
-    _server_setting(b, "ALTER SYSTEM SET autovacuum = on")
-    b.extra["sustained load autovacuum"] = "turned on for the ladder (the server has it off)"
-    return True
-
-
 def _ladder(url: str, drain_rate: float, seconds: float) -> tuple[Load, list[Rung]]:
     load = Load(url)
     rungs: list[Rung] = []
@@ -239,13 +222,10 @@ def sustained(b: Harness, drain_rate: float, seconds: float) -> tuple[Rung | Non
     grows): the highest rung with a bounded backlog and p99 under P99_LIMIT_MS (None if none), the
     workers' peak RSS (MB), every rung run."""
     url = b.fresh()
-    restore = _autovacuum_on(b)
     try:
         load, rungs = _ladder(url, drain_rate, seconds)
     finally:
         b.drop(url)
-        if restore:
-            _server_setting(b, "ALTER SYSTEM RESET autovacuum")
     b.extra.setdefault("sustained load rungs", []).append([asdict(r) | {"ok": r.ok} for r in rungs])
     best = max((r for r in rungs if r.ok), key=lambda r: r.achieved, default=None)
     return best, load.peak, rungs

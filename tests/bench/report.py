@@ -267,8 +267,7 @@ def machine_summary(server_version: str, synchronous_commit: str, autovacuum: st
         memory = ""
     return (
         f"{os.cpu_count()} cores{model}{memory}; {platform.system()} {platform.release()}; "
-        f"PostgreSQL {server_version}, synchronous_commit {synchronous_commit}, autovacuum {autovacuum}"
-        " (the sustained-load workload runs with it on); "
+        f"PostgreSQL {server_version}, synchronous_commit {synchronous_commit}, autovacuum {autovacuum}; "
         f"Python {platform.python_version()}"
     )
 
