@@ -140,6 +140,9 @@ CHECKS: tuple[Check, ...] = (
         INSERT_UPDATE,
         detail=True,
     ),
+    Check(
+        "ordered drain / drain in SQL only (the same work without a client)", DRAIN, DRAIN_SQL, (">=", 0.8)
+    ),
     Check("ordered drain / procrastinate ordered drain", DRAIN, PROCRASTINATE_ORDERED, (">=", 2.0)),
     Check("ordered drain / pgqueuer unordered drain", DRAIN, PGQUEUER, (">=", 1.5)),
     Check("receive_many, no keys / pgqueuer batch enqueue", RECEIVE_MANY, PGQUEUER_BATCH, (">=", 1.0)),
