@@ -17,10 +17,14 @@ middle of a run on a server that had it off, it would first catch up with every 
 from __future__ import annotations
 
 import multiprocessing
+import shutil
 import signal
 import statistics
+import subprocess
+import sys
 import time
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 import psycopg
@@ -134,6 +138,24 @@ def _check(c: psycopg.Connection[Any], tag: str, n: int) -> list[float]:
     return sorted(r[0] for r in rows.fetchall())
 
 
+def _stopped(proc: subprocess.Popen[bytes]) -> None:
+    """Wait for a process told to stop; one still running after 30 s is reported (with its threads'
+    stacks, where py-spy is installed), then killed, so that a slow stop costs the run no figures."""
+    try:
+        proc.wait(30)
+        return
+    except subprocess.TimeoutExpired:
+        pass
+    print(
+        f"    ! {' '.join(map(str, proc.args[2:]))} did not stop within 30 s of SIGTERM: killed", flush=True
+    )
+    spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
+    if Path(spy).exists():
+        subprocess.run([spy, "dump", "--pid", str(proc.pid)], check=False, timeout=60)
+    proc.kill()
+    proc.wait(30)
+
+
 class Load:
     """The workload's database, worker processes and producer processes."""
 
@@ -192,7 +214,7 @@ class Load:
         for w in (*self.workers, self.maintain):
             w.send_signal(signal.SIGTERM)
         for w in (*self.workers, self.maintain):
-            w.wait(30)
+            _stopped(w)
         self.conn.close()
 
 
