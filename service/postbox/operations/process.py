@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import queue
 import signal
 import sys
 import threading
@@ -94,7 +95,12 @@ class ProcessSpec:
 
 
 class _Signals:
-    """SIGTERM/SIGINT: the first stops the service, the second aborts it."""
+    """SIGTERM/SIGINT: the first stops the service, the second aborts it.
+
+    The handler itself only queues the signal: Python runs it in the main thread between two
+    bytecodes, possibly while that thread holds a lock the handling needs (the event's, inside
+    ``Event.wait``), which would deadlock it. A thread of its own does the handling.
+    """
 
     def __init__(self, service: Service, spec: ProcessSpec) -> None:
         self.service = service
@@ -102,8 +108,11 @@ class _Signals:
         self.count = 0
         self.event = threading.Event()
         self._previous: dict[int, Any] = {}
+        self._received: queue.SimpleQueue[int | None] = queue.SimpleQueue()  # put() is reentrant
+        self._relay = threading.Thread(target=self._handle_all, name="postbox-signals", daemon=True)
 
     def __enter__(self) -> _Signals:
+        self._relay.start()
         for sig in (signal.SIGTERM, signal.SIGINT):
             self._previous[sig] = signal.signal(sig, self._on_signal)
         return self
@@ -111,16 +120,21 @@ class _Signals:
     def __exit__(self, *exc: object) -> None:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
+        self._received.put(None)
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
-        self.count += 1
-        self.event.set()
-        if self.count == 1:
-            self.spec.say(f"{self.spec.stop_message} (signal {signum})")
-            self.service.stop()
-        else:
-            self.spec.say("aborting", logging.WARNING)
-            self.service.abort()
+        self._received.put(signum)
+
+    def _handle_all(self) -> None:
+        while (signum := self._received.get()) is not None:
+            self.count += 1
+            self.event.set()
+            if self.count == 1:
+                self.spec.say(f"{self.spec.stop_message} (signal {signum})")
+                self.service.stop()
+            else:
+                self.spec.say("aborting", logging.WARNING)
+                self.service.abort()
 
 
 def await_database(spec: ProcessSpec, stopping: threading.Event) -> bool:
