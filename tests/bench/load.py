@@ -1,7 +1,7 @@
 """Sustained load for `make bench`: producers and workers running together, at a ladder of rates.
 
-Two worker processes (the CLI, 2 slots each, batches of up to 50 like the ordered drain whose rate
-the ladder is made of, LISTEN/NOTIFY) handle what producer processes receive at a fixed rate: each producer sends batches of 10 messages over 500 keys, one
+Two worker processes (the CLI, 2 slots each, batches of up to 10, LISTEN/NOTIFY) handle what
+producer processes receive at a fixed rate: each producer sends batches of 10 messages over 500 keys, one
 ``receive_many`` transaction a batch, on a schedule (a producer that falls behind sends at once
 until it catches up). For each rate: the rate achieved, whether the backlog stayed bounded, and the
 p99 of receive→commit (the effect's transaction, see scripts.EFFECT_DONE_TRIGGER). The ladder stops
@@ -36,7 +36,7 @@ from tests.helpers import spawn_postbox
 
 PRODUCERS = 2
 BATCH = 10  # messages per producer transaction
-WORKER_BATCH = 10
+WORKER_BATCH = 10  # the drain's 50 would hold each message until 49 others are handled
 KEYS = 500
 WORKERS = 2
 P99_LIMIT_MS = 100.0
