@@ -9,6 +9,7 @@ import threading
 import uuid
 from datetime import UTC, datetime
 
+import psycopg
 import pytest
 
 from postbox.failures.outcomes import Transient
@@ -253,3 +254,34 @@ def test_bridge_keeps_going_when_its_database_connections_are_terminated(databas
         thread.join(timeout=30)
     assert not thread.is_alive()
     assert scalar(database.url, "SELECT count(DISTINCT message_id) FROM postbox.inbox") == 200
+
+
+def test_bridge_started_while_its_database_refuses_connections_waits_and_then_bridges(database, caplog):
+    """A bridge that starts before its database accepts connections (a restart, a compose start
+    order) waits for it, saying so, instead of stopping; then it bridges as usual."""
+    make_transport, make_source = sources()["redis"]
+    t = make_transport()
+    with psycopg.connect(database.server.url("postgres"), autocommit=True) as admin:
+        admin.execute(f'ALTER DATABASE "{database.name}" ALLOW_CONNECTIONS false')
+    b = Bridge(database.url, make_source(), "orders", batch_size=8, wait=0.1, origin="redis")
+    thread = threading.Thread(target=b.run)
+    try:
+        with caplog.at_level("WARNING", logger="postbox.bridge"):
+            thread.start()
+            eventually(
+                lambda: any("database unavailable" in r.getMessage() for r in caplog.records),
+                what="the bridge says the database is unavailable",
+            )
+        assert thread.is_alive() and b.fatal is None
+        with psycopg.connect(database.server.url("postgres"), autocommit=True) as admin:
+            admin.execute(f'ALTER DATABASE "{database.name}" ALLOW_CONNECTIONS true')
+        t.publish(rows(5, 5))
+        eventually(lambda: scalar(database.url, "SELECT count(*) FROM postbox.inbox") == 5, timeout=30)
+    finally:
+        with psycopg.connect(database.server.url("postgres"), autocommit=True) as admin:
+            admin.execute(f'ALTER DATABASE "{database.name}" ALLOW_CONNECTIONS true')
+        t.close()
+        b.stop()
+        if thread.ident is not None:  # started
+            thread.join(timeout=30)
+    assert not thread.is_alive()

@@ -134,15 +134,23 @@ class Bridge:
 
     def _wait_for_consumer(self) -> None:
         """Once any consumer is declared, receiving for an undeclared one is refused: rather than fail
-        on the first message, wait (stoppably) until this bridge's consumer is declared by its worker."""
+        on the first message, wait (stoppably) until this bridge's consumer is declared by its worker.
+        A database that is unreachable meanwhile (restarting, not up yet) is waited for too."""
         warned = False
+        failures = 0
         while not self._stopping.is_set():
-            with psycopg.connect(self.url, autocommit=True, application_name="postbox-bridge") as conn:
-                row = conn.execute(
-                    "SELECT NOT EXISTS (SELECT 1 FROM postbox.consumers WHERE declared)"
-                    " OR EXISTS (SELECT 1 FROM postbox.consumers WHERE name = %s AND declared)",
-                    (self.consumer,),
-                ).fetchone()
+            try:
+                with psycopg.connect(self.url, autocommit=True, application_name="postbox-bridge") as conn:
+                    row = conn.execute(
+                        "SELECT NOT EXISTS (SELECT 1 FROM postbox.consumers WHERE declared)"
+                        " OR EXISTS (SELECT 1 FROM postbox.consumers WHERE name = %s AND declared)",
+                        (self.consumer,),
+                    ).fetchone()
+            except psycopg.OperationalError as error:
+                failures += 1
+                self._unavailable(error, failures, "waiting for it before bridging")
+                continue
+            failures = 0
             if row and row[0]:
                 return
             if not warned:
@@ -152,6 +160,18 @@ class Bridge:
                 )
                 warned = True
             self._stopping.wait(1.0)
+
+    def _unavailable(self, error: psycopg.OperationalError, failures: int, doing: str) -> bool:
+        """Log that the database is unavailable and back off (jittered, up to 5 s); True if the
+        bridge was stopped meanwhile."""
+        text = str(error).strip()
+        log.warning(
+            "bridge: database unavailable (%s); %s",
+            text.splitlines()[0] if text else type(error).__name__,
+            doing,
+            extra={"event": "bridge_db_unavailable", "consumer": self.consumer},
+        )
+        return self._stopping.wait(min(5.0, 0.1 * 2**failures) * random.uniform(0.5, 1.0))
 
     def _store(
         self, messages: list[InboxMessage], conn: psycopg.Connection[Any] | None
@@ -175,16 +195,10 @@ class Bridge:
                 return refused, conn
             except psycopg.OperationalError as error:
                 failures += 1
-                log.warning(
-                    "bridge: database unavailable (%s); retrying the batch of %d",
-                    str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__,
-                    len(messages),
-                    extra={"event": "bridge_db_unavailable", "consumer": self.consumer},
-                )
                 if conn is not None:
                     conn.close()
                 conn = None
-                if self._stopping.wait(min(5.0, 0.1 * 2**failures) * random.uniform(0.5, 1.0)):
+                if self._unavailable(error, failures, f"retrying the batch of {len(messages)}"):
                     return None, None
 
     def _reject(self, item: Incoming, error: InvalidMessage) -> None:
