@@ -68,9 +68,37 @@ def cli(
     metavar="REVISION",
     help="With --sql: the revision the database is at; print only the DDL from there (default: all).",
 )
+@click.option(
+    "--lock-timeout",
+    type=click.FloatRange(min=0, min_open=True),
+    default=2.0,
+    show_default=True,
+    metavar="SECONDS",
+    help="How long one attempt waits for a table lock; receives and claims queue behind it meanwhile.",
+)
+@click.option(
+    "--give-up-after",
+    type=click.FloatRange(min=0),
+    default=300.0,
+    show_default=True,
+    metavar="SECONDS",
+    help="Try again after a lock timeout or a deadlock with running processes until then.",
+)
 @click.pass_context
-def migrate(ctx: click.Context, as_sql: bool, revision: str, check: bool, start: str | None) -> None:
-    """Upgrade the database schema (or print its DDL with --sql)."""
+def migrate(
+    ctx: click.Context,
+    as_sql: bool,
+    revision: str,
+    check: bool,
+    start: str | None,
+    lock_timeout: float,
+    give_up_after: float,
+) -> None:
+    """Upgrade the database schema (or print its DDL with --sql).
+
+    Safe while Postbox runs: the upgrade is one transaction; if it cannot take a table lock in time,
+    or deadlocks with a running process, it is rolled back and tried again.
+    """
     known = migrations.known_revisions()
     for given in (revision, start):
         if given is not None and given not in ("head", "base", *known):
@@ -97,8 +125,8 @@ def migrate(ctx: click.Context, as_sql: bool, revision: str, check: bool, start:
             bar.update(total=_pending(url, revision, known))
         try:
             with alembic_steps(bar):
-                migrations.upgrade(url, revision)
-        except FrozenRevisionChanged as error:
+                migrations.upgrade(url, revision, locks=migrations.LockPolicy(lock_timeout, give_up_after))
+        except (FrozenRevisionChanged, migrations.LocksUnavailable) as error:
             raise click.ClickException(str(error)) from None
     click.echo(f"postbox: {mask_url(url)} is at revision {migrations.current_revision(url)}", err=True)
 
@@ -134,7 +162,10 @@ def downgrade(ctx: click.Context, revision: str, force: bool) -> None:
             raise click.ClickException(
                 f"downgrading to base would delete {lost}; run again with --force to delete them"
             )
-    migrations.downgrade(url, revision)
+    try:
+        migrations.downgrade(url, revision)
+    except migrations.LocksUnavailable as error:
+        raise click.ClickException(str(error)) from None
     if revision == "base":
         gone = migrations.drop_schema_if_empty(url)
         where = (

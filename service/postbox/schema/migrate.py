@@ -12,8 +12,11 @@ from sqlalchemy import create_engine
 
 from postbox.config.urls import libpq_url, sqlalchemy_url
 from postbox.db.paths import migrations_dir
+from postbox.schema.locks import LockPolicy, LocksUnavailable, retry_on_locks
 
 __all__ = [
+    "LockPolicy",
+    "LocksUnavailable",
     "SchemaNotReady",
     "alembic_config",
     "check_schema",
@@ -28,6 +31,9 @@ __all__ = [
 ]
 
 
+DEFAULT_LOCKS = LockPolicy()
+
+
 class SchemaNotReady(Exception):
     """The database's Postbox schema is missing or older than this Postbox needs; says what to do."""
 
@@ -40,14 +46,16 @@ def alembic_config(url: str | None = None, output: io.StringIO | None = None) ->
     return cfg
 
 
-def upgrade(url: str, revision: str = "head") -> None:
-    """Upgrade the database at ``url`` to ``revision`` (default: the newest)."""
-    _online(url, lambda cfg: command.upgrade(cfg, revision))
+def upgrade(url: str, revision: str = "head", *, locks: LockPolicy = DEFAULT_LOCKS) -> None:
+    """Upgrade the database at ``url`` to ``revision`` (default: the newest), in one transaction.
+    While Postbox runs, it waits for table locks as ``locks`` says (see :mod:`postbox.schema.locks`)
+    and raises :class:`LocksUnavailable` if it cannot take them in time, nothing changed."""
+    _online(url, lambda cfg: command.upgrade(cfg, revision), locks)
 
 
-def downgrade(url: str, revision: str) -> None:
+def downgrade(url: str, revision: str, *, locks: LockPolicy = DEFAULT_LOCKS) -> None:
     """Downgrade the database at ``url`` to ``revision`` (``base`` removes everything)."""
-    _online(url, lambda cfg: command.downgrade(cfg, revision))
+    _online(url, lambda cfg: command.downgrade(cfg, revision), locks)
 
 
 def upgrade_sql(revision: str = "head", start: str | None = None) -> str:
@@ -166,12 +174,17 @@ def drop_schema_if_empty(url: str) -> bool:
     return True
 
 
-def _online(url: str, action: object) -> None:
-    engine = create_engine(sqlalchemy_url(url))
-    try:
+def _online(url: str, action: object, locks: LockPolicy) -> None:
+    engine = create_engine(sqlalchemy_url(url), connect_args={"application_name": "postbox-migrate"})
+
+    def attempt(policy: LockPolicy) -> None:
         with engine.begin() as conn:
+            conn.exec_driver_sql(policy.set_local())
             cfg = alembic_config(url)
             cfg.attributes["connection"] = conn
             action(cfg)  # type: ignore[operator]
+
+    try:
+        retry_on_locks(libpq_url(url), attempt, locks)
     finally:
         engine.dispose()
