@@ -60,11 +60,19 @@ def run(conn: AnySyncConnection, q: Query, params: dict[str, Any]) -> Rows:
     with _translated():
         if isinstance(conn, psycopg.Connection):
             cur = conn.execute(q.psycopg, params)
-            return cur.fetchall() if cur.description else []
+            # The result's status, not cur.description (which builds a Column per column each call).
+            return cur.fetchall() if _has_rows(cur.pgresult) else []
         if isinstance(conn, Session | SAConnection):
             result = conn.execute(text(q.text), params)
             return [tuple(r) for r in result.all()]
     raise TypeError(f"postbox: unsupported connection type {type(conn).__name__}")
+
+
+def _has_rows(result: psycopg.pq.abc.PGresult | None) -> bool:
+    return result is not None and result.status == _TUPLES_OK
+
+
+_TUPLES_OK = psycopg.pq.ExecStatus.TUPLES_OK
 
 
 async def run_async(conn: AnyAsyncConnection, q: Query, params: dict[str, Any]) -> Rows:
@@ -72,7 +80,7 @@ async def run_async(conn: AnyAsyncConnection, q: Query, params: dict[str, Any]) 
     with _translated():
         if isinstance(conn, psycopg.AsyncConnection):
             cur = await conn.execute(q.psycopg, params)
-            return await cur.fetchall() if cur.description else []
+            return await cur.fetchall() if _has_rows(cur.pgresult) else []
         if isinstance(conn, AsyncSession | SAAsyncConnection):
             result = await conn.execute(text(q.text), params)
             return [tuple(r) for r in result.all()]

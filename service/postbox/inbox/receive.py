@@ -15,7 +15,15 @@ from postbox import limits
 from postbox.db import AnyAsyncConnection, AnySyncConnection
 from postbox.db.connector import first
 from postbox.limits import Large, run_checked, run_checked_async
-from postbox.messages import INBOX_DEFAULTS, InboxMessage, ReceiveResult, ReceiveStatus, batch_items, checked
+from postbox.messages import (
+    INBOX_DEFAULTS,
+    InboxMessage,
+    ReceiveResult,
+    ReceiveStatus,
+    batch_items,
+    checked,
+    plain_inbox_item,
+)
 from postbox.operations import tracing
 from postbox.values import to_sql_json
 
@@ -93,7 +101,12 @@ def _batch(items: list[dict[str, Any]]) -> tuple[str, dict[str, Any], list[Large
 
 
 def _one(message: InboxMessage | None, fields: dict[str, Any]) -> list[dict[str, Any]]:
-    """The checked message, as the one item of a batch (its span may add a ``traceparent``)."""
+    """The checked message, as the one item of a batch (its span may add a ``traceparent``).
+    Fields that are plainly valid skip building the model (as a batch's do), with its defaults."""
+    if message is None:
+        item = plain_inbox_item(fields)
+        if item is not None:
+            return [INBOX_DEFAULTS | item]
     return [checked(InboxMessage, message, fields).batch_item()]
 
 
