@@ -39,8 +39,21 @@ class _LoopThread:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
 
     def stop(self) -> None:
+        """Cancel what the client left running (its reader, flusher and subscription tasks), wait
+        for it, then stop and close the loop: nothing is left to be destroyed while pending."""
+        with contextlib.suppress(Exception):
+            self.run(_cancel_others(), 5)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(5)
+        if not self._thread.is_alive():
+            self._loop.close()
+
+
+async def _cancel_others() -> None:
+    others = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+    for task in others:
+        task.cancel()
+    await asyncio.gather(*others, return_exceptions=True)
 
 
 async def _stream(js: Any, stream: str, subject: str) -> None:
