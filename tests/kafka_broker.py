@@ -122,11 +122,20 @@ def read_topic(bootstrap: str, topic: str, timeout: float = 15.0) -> list[dict]:
     try:
         meta = c.list_topics(topic, timeout=timeout).topics[topic]
         parts = sorted(meta.partitions)
-        wanted = sum(c.get_watermark_offsets(TopicPartition(topic, p), timeout=timeout)[1] for p in parts)
+        marks = [c.get_watermark_offsets(TopicPartition(topic, p), timeout=timeout) for p in parts]
+        wanted = sum(high for _, high in marks)
         c.assign([TopicPartition(topic, p, OFFSET_BEGINNING) for p in parts])
         got: list = []
-        eventually(lambda: got.extend(m for m in c.consume(500, 0.2) if not m.error()) or len(got) >= wanted,
-                   timeout, what=f"{wanted} records of {topic}")  # fmt: skip
+        try:
+            eventually(lambda: got.extend(m for m in c.consume(500, 0.2) if not m.error()) or len(got) >= wanted,
+                       timeout, what=f"{wanted} records of {topic}")  # fmt: skip
+        except AssertionError:
+            counts = {p: sum(1 for m in got if m.partition() == p) for p in parts}
+            each = ", ".join(f"{p}: {counts[p]} of {m}" for p, m in zip(parts, marks, strict=True))
+            raise AssertionError(
+                f"read {len(got)} of the {wanted} records of {topic} within {timeout:g} s "
+                f"(per partition, read of [low, high) offsets: {each})"
+            ) from None
     finally:
         c.close()
     out = []

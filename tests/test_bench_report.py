@@ -206,3 +206,11 @@ def test_the_weight_of_a_large_backlog_and_ledger_and_the_sustained_load_are_che
     assert table_row(page, label)[1:] == ["0.90", "", "≥ 0.8", "yes"]
     assert table_row(page, "worker peak RSS under sustained load, MB")[1:] == ["90.0", "", "≤ 100", "yes"]
     assert table_row(page, report.SUSTAINED_P99) == [report.SUSTAINED_P99, "40.0", "", "ms"]
+
+
+def test_a_workload_that_broke_an_invariant_is_listed_on_the_page_and_in_the_printed_table():
+    failure = "relay to kafka, 500 keys, in order, confirmed: 19996 of 20000 read back"
+    run = small_run(extra={"failures": [failure]})
+    for text in (report.results_page(run), report.run_markdown(run)):
+        assert f"## Failures\n\n- {failure}\n" in text
+    assert "## Failures" not in report.results_page(small_run())

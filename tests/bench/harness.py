@@ -109,6 +109,14 @@ class Harness:
             for name in reversed(self.created):
                 c.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
+    def failed(self, name: str, error: AssertionError) -> None:
+        """A workload whose result broke an invariant (lost, duplicated or reordered messages): no
+        figure for this repetition; the run goes on, lists it on its page and exits non-zero."""
+        why = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        self.extra.setdefault("failures", []).append(f"{name}: {why}")
+        self._last = time.monotonic()
+        print(f"  ! {name}: FAILED: {why}", flush=True)
+
     def record(self, name: str, unit: str, value: float) -> None:
         r = self.results.setdefault(name, Result(name, unit))
         r.runs.append(value)

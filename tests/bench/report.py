@@ -325,8 +325,17 @@ def run_markdown(run: Run) -> str:
         *figures_table(run),
         "",
         *checks_table(run),
+        *failures_section(run),
     ]
     return "\n".join(lines) + "\n"
+
+
+def failures_section(run: Run) -> list[str]:
+    """The workloads that broke an invariant in some repetition (their figures are left out)."""
+    failures = run.extra.get("failures") or []
+    if not failures:
+        return []
+    return ["", "## Failures", "", *(f"- {f}" for f in failures)]
 
 
 RESULTS_HEADER = (
@@ -360,6 +369,7 @@ def results_page(run: Run) -> str:
         "Each ratio divides two figures of this run; a target applies to the median's ratio.",
         "",
         *checks_table(run),
+        *failures_section(run),
     ]
     return "\n".join(lines) + "\n"
 
