@@ -110,8 +110,9 @@ class Harness:
                 c.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
     def failed(self, name: str, error: AssertionError) -> None:
-        """A workload whose result broke an invariant (lost, duplicated or reordered messages): no
-        figure for this repetition; the run goes on, lists it on its page and exits non-zero."""
+        """A workload whose result broke an invariant (a relay's rows lost or reordered at the
+        broker): no figure for this repetition; the run goes on, lists it on its page and exits
+        non-zero."""
         why = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         self.extra.setdefault("failures", []).append(f"{name}: {why}")
         self._last = time.monotonic()

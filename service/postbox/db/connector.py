@@ -68,11 +68,11 @@ def run(conn: AnySyncConnection, q: Query, params: dict[str, Any]) -> Rows:
     raise TypeError(f"postbox: unsupported connection type {type(conn).__name__}")
 
 
+_TUPLES_OK = psycopg.pq.ExecStatus.TUPLES_OK
+
+
 def _has_rows(result: psycopg.pq.abc.PGresult | None) -> bool:
     return result is not None and result.status == _TUPLES_OK
-
-
-_TUPLES_OK = psycopg.pq.ExecStatus.TUPLES_OK
 
 
 async def run_async(conn: AnyAsyncConnection, q: Query, params: dict[str, Any]) -> Rows:
