@@ -103,6 +103,10 @@ def processing_workloads(b: Bench, sizes: dict[str, int], first: bool) -> None:
     b.record(report.DRAIN, "msg/s", rate)
     b.record(report.DRAIN_RSS, "MB", rss)
     b.record(report.DRAIN_SQL, "msg/s", b.drain_sql(sizes["drain_sql"], 500, 50, sizes["bound_seconds"]))
+    # What bounds it: the same drain in batches of 10 (the sustained load's), and the round trips
+    # the machine makes with nothing to do (a message costs two: its savepoint, its handler's statement).
+    b.record(report.DRAIN_10, "msg/s", b.drain(sizes["drain"], 500, processes=2, concurrency=2, batch=10)[0])
+    b.record(report.ROUND_TRIPS, "tx/s", b.pgbench(sql.PGBENCH_ROUND_TRIP, 4, 2, sizes["bound_seconds"]))
     for kind in ("postgres", "rabbitmq", "kafka"):
         try:
             rate, rss = b.relay(sizes["relay"], 500, kind)

@@ -41,6 +41,8 @@ INSERT_UPDATE = "pgbench INSERT+UPDATE, -c 4 -j 2"
 DRAIN = "ordered drain, 500 keys, 2 proc x 2 slots"
 DRAIN_RSS = "worker peak RSS during drain"
 DRAIN_SQL = "drain in SQL only (claim + effects + complete per 50), pgbench -c 4"
+DRAIN_10 = "ordered drain, 500 keys, 2 proc x 2 slots, batch 10"
+ROUND_TRIPS = "pgbench empty round trips (SELECT 1), -c 4 -j 2"
 RELAY_POSTGRES = "relay to postgres, 500 keys, in order, confirmed"
 RELAY_RABBITMQ = "relay to rabbitmq, 500 keys, in order, confirmed"
 RELAY_KAFKA = "relay to kafka, 500 keys, in order, confirmed"
@@ -143,6 +145,13 @@ CHECKS: tuple[Check, ...] = (
     Check(
         "ordered drain / drain in SQL only (the same work without a client)", DRAIN, DRAIN_SQL, (">=", 0.8)
     ),
+    Check(
+        "ordered drain / pgbench empty round trips, -c 4 (a message takes two: its savepoint, its handler's"
+        " statement)",
+        DRAIN,
+        ROUND_TRIPS,
+        detail=True,
+    ),
     Check("ordered drain / procrastinate ordered drain", DRAIN, PROCRASTINATE_ORDERED, (">=", 2.0)),
     Check("ordered drain / pgqueuer unordered drain", DRAIN, PGQUEUER, (">=", 1.5)),
     Check("receive_many, no keys / pgqueuer batch enqueue", RECEIVE_MANY, PGQUEUER_BATCH, (">=", 1.0)),
@@ -176,6 +185,18 @@ CHECKS: tuple[Check, ...] = (
         ("<=", 1.2),
     ),
     Check("sustained rate (bounded backlog, p99 < 100 ms) / ordered drain", SUSTAINED, DRAIN, (">=", 0.8)),
+    Check(
+        "sustained rate / ordered drain at batch 10 (the batch its workers use)",
+        SUSTAINED,
+        DRAIN_10,
+        detail=True,
+    ),
+    Check(
+        "ordered drain at batch 10 / at batch 50 (a batch's own cost: claim, complete, commit)",
+        DRAIN_10,
+        DRAIN,
+        detail=True,
+    ),
     Check("worker peak RSS under sustained load, MB", SUSTAINED_RSS, target=("<=", 100)),
     Check("relay to PostgreSQL, rows/s", RELAY_POSTGRES, target=(">=", 5000)),
     Check("relay to RabbitMQ, rows/s", RELAY_RABBITMQ, target=(">=", 3000)),
