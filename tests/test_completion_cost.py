@@ -1,6 +1,7 @@
 """Completing a batch costs the same after a long run as at its start: the rows are reached by
 their primary key, never by reading the queue's partial indexes, which hold every dead entry a busy
-queue leaves behind between two vacuums."""
+queue leaves behind between two vacuums. A claim, however often a session calls it, reads a few
+pages, never the whole queue."""
 
 from __future__ import annotations
 
@@ -55,3 +56,30 @@ def test_completing_a_batch_reads_as_few_pages_after_thousands_of_completions_as
     # Reading the partial indexes whole reads ~150 more pages after 15,000 messages (their dead
     # entries, 2 a message); by primary key, the pages read stay level.
     assert statistics.median(b for b, _ in late) <= statistics.median(early) + 50, (early, late)
+
+
+@pytest.mark.parametrize(("table", "queue"), [("inbox", "consumer"), ("outbox", "destination")])
+def test_claiming_one_message_reads_a_few_pages_not_the_queue_however_often_it_is_called(
+    database, table, queue
+):
+    """A plan the session keeps for the claim (after five calls, PostgreSQL may switch to one made
+    without the values) must still reach the claimed rows by their primary key: one made for an
+    unknown LIMIT joins them to the whole queue (a sequential scan and a hash) and reads every page
+    of it at every claim."""
+    with database.connect() as c:
+        c.execute(
+            f"INSERT INTO postbox.{table} ({queue}, message_id, key, position, payload, state)"
+            " SELECT 'c', 'm' || g, 'k' || g, g, '{}', 'ready' FROM generate_series(1, 10000) g"
+        )
+        c.commit()
+        c.execute(f"ANALYZE postbox.{table}")
+        c.commit()
+        claim = f"SELECT * FROM postbox.{table}_claim_v1('c', 'w', 1, interval '1 minute', now())"
+        pages = []
+        for _ in range(12):  # each claim rolled back: the queue stays as it is
+            plan = c.execute("EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) " + claim).fetchone()[0]
+            c.rollback()
+            top = (plan if isinstance(plan, list) else json.loads(plan))[0]["Plan"]
+            pages.append(top["Shared Hit Blocks"] + top["Shared Read Blocks"])
+    # By primary key a claim of one reads a few dozen pages; the whole queue is over 150 more.
+    assert max(pages[6:]) <= 100, pages
