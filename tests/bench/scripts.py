@@ -34,10 +34,11 @@ BEGIN
     RETURN cardinality(ids);
 END $$"""
 PGBENCH_SINGLE_INSERT = "INSERT INTO bench_single (payload) VALUES ('{\"i\": 1}');\n"
+PGBENCH_ROUND_TRIP = "SELECT 1;\n"  # a round trip with nothing to do: what each statement costs at least
+
 # What bounds a single receive: the receive function itself without the Python client, and the two
 # rows every receive must write (the deduplication ledger and the inbox row, with their indexes)
 # with the uniqueness checks that deduplication and the one-head-per-key rule need (ON CONFLICT).
-PGBENCH_ROUND_TRIP = "SELECT 1;\n"  # a round trip with nothing to do: what each statement costs at least
 PGBENCH_RECEIVE = "SELECT postbox.inbox_receive_v1('bench', nextval('bench_ids')::text, '{\"i\": 1}');\n"
 PGBENCH_TWO_INSERTS = """WITH n AS (SELECT nextval('bench_ids')::text AS id), \
 d AS (INSERT INTO postbox.inbox_dedup (consumer, message_id, payload_hash, inbox_id) SELECT 'bench', id, '\\x00', 0 FROM n \
