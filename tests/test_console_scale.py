@@ -122,3 +122,21 @@ def test_grouping_every_consumer_and_explain_are_under_200ms_at_that_size(big):
 
     slow = _measure(big, build)
     assert not slow, f"over {BUDGET_MS} ms: {slow}"
+
+
+def _plan_nodes(node: dict[str, Any]) -> list[dict[str, Any]]:
+    return [node, *(n for child in node.get("Plans", []) for n in _plan_nodes(child))]
+
+
+def test_grouping_every_consumer_reads_the_open_groups_index_only_in_its_order(big):
+    """The plan, not a clock: no sequential scan of the dead letters and no hash of 100,000 rows, but
+    an index-only scan of ``dead_letters_open_groups_idx`` aggregated in the index's order."""
+    params = {**GroupFilter().params(), "limit": queries.PAGE + 1, "offset": 0}
+    with big.connect(autocommit=True) as conn:
+        conn.execute("VACUUM ANALYZE postbox.dead_letters")
+        (plan,) = conn.execute("EXPLAIN (FORMAT JSON) " + queries._GROUPS, params).fetchone()[0]
+    nodes = _plan_nodes(plan["Plan"])
+    scans = [(n["Node Type"], n.get("Index Name")) for n in nodes if n.get("Relation Name") == "dead_letters"]
+    assert scans == [("Index Only Scan", "dead_letters_open_groups_idx")], scans
+    aggregates = [n.get("Strategy") for n in nodes if n["Node Type"] == "Aggregate"]
+    assert aggregates == ["Sorted"], aggregates

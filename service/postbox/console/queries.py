@@ -106,18 +106,24 @@ _FILTERS = """
    AND (CAST(%(older)s AS interval) IS NULL OR dead_lettered_at < now() - CAST(%(older)s AS interval))
 """
 
+# The inner query hands the rows over in the order of ``dead_letters_open_groups_idx``, so grouping every
+# consumer's reads that index only and aggregates as it goes (a third of the time of the sequential scan
+# and hash the planner picks otherwise); a filter by consumer still reads ``dead_letters_open_idx``.
 _GROUPS = f"""
-SELECT origin, coalesce(consumer, destination) AS queue, type, reason, fingerprint,
+SELECT origin, queue, type, reason, fingerprint,
        count(*) AS open,
        min(dead_lettered_at) AS first_seen, max(dead_lettered_at) AS last_seen,
        max(last_error_type) AS error_type, min(id) AS sample_id
-  FROM postbox.dead_letters
- WHERE {_FILTERS}
-   AND (CAST(%(key)s AS text) IS NULL OR (type, reason, fingerprint) IN (
-        SELECT k.type, k.reason, k.fingerprint FROM postbox.dead_letters k
-         WHERE k.status = 'open' AND k.key = %(key)s AND (CAST(%(queue)s AS text) IS NULL OR k.consumer = %(queue)s
-               OR (k.consumer IS NULL AND k.destination = %(queue)s))))
- GROUP BY origin, coalesce(consumer, destination), type, reason, fingerprint
+  FROM (SELECT origin, coalesce(consumer, destination) AS queue, type, reason, fingerprint,
+               dead_lettered_at, last_error_type, id
+          FROM postbox.dead_letters
+         WHERE {_FILTERS}
+           AND (CAST(%(key)s AS text) IS NULL OR (type, reason, fingerprint) IN (
+                SELECT k.type, k.reason, k.fingerprint FROM postbox.dead_letters k
+                 WHERE k.status = 'open' AND k.key = %(key)s AND (CAST(%(queue)s AS text) IS NULL
+                       OR k.consumer = %(queue)s OR (k.consumer IS NULL AND k.destination = %(queue)s))))
+         ORDER BY origin, coalesce(consumer, destination), type, reason, fingerprint) AS open_letters
+ GROUP BY origin, queue, type, reason, fingerprint
  ORDER BY open DESC, first_seen, fingerprint
  LIMIT %(limit)s OFFSET %(offset)s
 """
