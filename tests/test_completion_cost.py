@@ -12,27 +12,33 @@ import psycopg
 import pytest
 
 KEYS, PER_KEY, BATCH = 500, 60, 10
+INDEX_PAGES = """SELECT coalesce(sum(pg_stat_get_xact_blocks_fetched(indexrelid)), 0) FROM pg_index
+                  WHERE indrelid = CAST(%(table)s AS regclass)"""
 
 
-def _complete_buffers(c: psycopg.Connection, table: str) -> tuple[int, int]:
-    """Claim a batch, complete it under EXPLAIN (ANALYZE, BUFFERS): the pages the completion read
-    (its statements included) and how many rows it completed."""
+def _complete_index_pages(c: psycopg.Connection, table: str) -> tuple[int, int]:
+    """Claim a batch and complete it: the pages of the table's indexes the completion read (its
+    statements included; this session's own counts, taken before and after it in its transaction)
+    and how many rows it completed.
+
+    Index pages, not every page: while any transaction of the cluster holds back the cleanup horizon
+    (the full suite runs tests side by side), the rows a busy queue deletes cannot be pruned, and the
+    heap pages a completion reads grow whatever the plan (three times as many here). What a plan that
+    reads the partial indexes whole adds is index pages."""
     rows = c.execute(
         f"SELECT id, attempt FROM postbox.{table}_claim_v1(%s, 'w', %s, interval '1 minute', now())",
         ("c", BATCH),
     ).fetchall()
     ids, attempts = [r[0] for r in rows], [r[1] for r in rows]
-    plan = c.execute(
-        f"EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) SELECT postbox.{table}_complete_v1(%s, %s, now())",
-        (ids, attempts),
-    ).fetchone()[0]
+    before = c.execute(INDEX_PAGES, {"table": f"postbox.{table}"}).fetchone()[0]
+    c.execute(f"SELECT postbox.{table}_complete_v1(%s, %s, now())", (ids, attempts))
+    after = c.execute(INDEX_PAGES, {"table": f"postbox.{table}"}).fetchone()[0]
     c.commit()
-    top = (plan if isinstance(plan, list) else json.loads(plan))[0]["Plan"]
-    return top["Shared Hit Blocks"] + top["Shared Read Blocks"], len(ids)
+    return int(after - before), len(ids)
 
 
 @pytest.mark.parametrize(("table", "queue"), [("inbox", "consumer"), ("outbox", "destination")])
-def test_completing_a_batch_reads_as_few_pages_after_thousands_of_completions_as_at_first(
+def test_completing_a_batch_reads_as_few_index_pages_after_thousands_of_completions_as_at_first(
     database, table, queue
 ):
     with database.connect() as c:
@@ -46,15 +52,15 @@ def test_completing_a_batch_reads_as_few_pages_after_thousands_of_completions_as
         c.commit()
         c.execute(f"ANALYZE postbox.{table}")
         c.commit()
-        early = [_complete_buffers(c, table)[0] for _ in range(6)][1:]  # the first compiles the function
+        early = [_complete_index_pages(c, table)[0] for _ in range(6)][1:]  # the first compiles the function
         # Thousands of messages done since: their dead entries stay in the indexes (no vacuum).
         done = 0
         for _ in range(KEYS * PER_KEY // BATCH // 2):
-            done += _complete_buffers(c, table)[1]
-        late = [_complete_buffers(c, table) for _ in range(5)]
+            done += _complete_index_pages(c, table)[1]
+        late = [_complete_index_pages(c, table) for _ in range(5)]
     assert done > KEYS * PER_KEY // 3 and all(n == BATCH for _, n in late)
-    # Reading the partial indexes whole reads ~150 more pages after 15,000 messages (their dead
-    # entries, 2 a message); by primary key, the pages read stay level.
+    # Reading the partial indexes whole reads ~200 more index pages after 15,000 messages (their
+    # dead entries, 2 a message); by primary key, the index pages read stay level (about 200).
     assert statistics.median(b for b, _ in late) <= statistics.median(early) + 50, (early, late)
 
 

@@ -91,7 +91,15 @@ def _late_write(ctx: Context, message: Message, p: dict[str, Any]) -> None:
     except Exception as error:
         outcome = f"refused: {error}"
     if p.get("marker"):
-        Path(p["marker"]).write_text(outcome, encoding="utf-8")
+        _write_marker(p["marker"], outcome)
+
+
+def _write_marker(path: str, outcome: str) -> None:
+    """Write the marker whole or not at all (a temporary file renamed): a test polling for the file
+    must never read it between its creation and its text."""
+    tmp = Path(f"{path}.tmp")
+    tmp.write_text(outcome, encoding="utf-8")
+    os.replace(tmp, path)
 
 
 @registry.handler(CONSUMER)
@@ -127,7 +135,7 @@ async def _late_write_async(ctx: AsyncContext, message: Message, p: dict[str, An
     except Exception as error:
         outcome = f"refused: {error}"
     if p.get("marker"):
-        Path(p["marker"]).write_text(outcome, encoding="utf-8")
+        _write_marker(p["marker"], outcome)
 
 
 @registry.handler(CONSUMER, "async")
