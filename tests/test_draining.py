@@ -14,7 +14,8 @@ from postbox.inbox.handlers import Registry
 from postbox.inbox.worker import Worker, WorkerSettings
 from tests.helpers import EFFECTS_DDL, eventually, record_effect, scalar
 
-STALE_AFTER = 3.0  # 15 heartbeats: a loaded machine (the suite runs tests side by side) may stall one for a second
+# 15 heartbeats: a loaded machine (the suite runs tests side by side) may stall one for a second.
+STALE_AFTER = 3.0
 
 
 def test_a_draining_worker_keeps_beating_and_is_not_reaped_while_its_handler_finishes(database):
