@@ -229,7 +229,7 @@ def _ladder(url: str, drain_rate: float, seconds: float) -> tuple[Load, list[Run
             rung = load.rung(f"r{k}", fraction * drain_rate, seconds)
             rungs.append(rung)
             print(
-                f"    {fraction:.1f} x drain: {rung.achieved:,.0f} msg/s of {rung.target:,.0f}, backlog growth"
+                f"    {fraction:.2f} x drain: {rung.achieved:,.0f} msg/s of {rung.target:,.0f}, backlog growth"
                 f" {rung.growth:,.0f}, drained in {rung.drained_s:.1f} s, receive→commit p50 {rung.p50:.1f}"
                 f" p99 {rung.p99:.1f} max {rung.max:.1f} ms: {'ok' if rung.ok else 'FAILED'}",
                 flush=True,
