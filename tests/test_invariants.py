@@ -13,6 +13,7 @@ from tests.checker import Produced, WorkerPool, check, produce, run_until, termi
 from tests.helpers import EFFECTS_DDL, scalar
 
 APP = "tests.apps.checker:registry"
+BATCH_APP = "tests.apps.checker:batch_registry"  # the same handler as a batch handler
 
 
 @pytest.fixture
@@ -38,9 +39,10 @@ def _scenario(
     concurrency: int = 4,
     seed: int = 1,
     drain_s: float = 120,
+    app: str = APP,
 ):
     produced = Produced()
-    pool = WorkerPool(url, "chk", APP, processes, concurrency, env=env)
+    pool = WorkerPool(url, "chk", app, processes, concurrency, env=env)
     rng = random.Random(seed)
     producers = [
         threading.Thread(target=produce, args=(url, "chk", count // 2, keys, produced, seed * 10 + i))
@@ -67,15 +69,17 @@ def _scenario(
     return report, pool
 
 
-def test_invariants_with_random_failures(chk_db):
+@pytest.mark.parametrize("app", [APP, BATCH_APP], ids=["handler", "batch_handler"])
+def test_invariants_with_random_failures(chk_db, app):
     """3 processes x 4 slots, 200 skewed keys, 10% transient failures: every message's effect exactly once, in order."""
-    report, _ = _scenario(chk_db.url, count=2000, keys=200, env={"CHECKER_FAIL_RATE": "0.1"})
+    report, _ = _scenario(chk_db.url, count=2000, keys=200, env={"CHECKER_FAIL_RATE": "0.1"}, app=app)
     report.assert_ok()
     assert report.done == report.produced == 2000
     assert scalar(chk_db.url, "SELECT count(*) FROM effects e WHERE attempt > 1") > 0  # retries happened
 
 
-def test_invariants_with_kill_9_at_every_point(chk_db):
+@pytest.mark.parametrize("app", [APP, BATCH_APP], ids=["handler", "batch_handler"])
+def test_invariants_with_kill_9_at_every_point(chk_db, app):
     """Workers SIGKILLed from outside at random and by themselves before the effect, after the effect
     before commit, and after commit; restarted each time. Invariants still hold."""
 
@@ -89,6 +93,7 @@ def test_invariants_with_kill_9_at_every_point(chk_db):
         fault=kill,
         fault_period=1.0,
         env={"CHECKER_FAIL_RATE": "0.05", "CHECKER_DIE_RATE": "0.005"},
+        app=app,
     )
     report.assert_ok()
     assert report.done == report.produced
@@ -173,11 +178,16 @@ def test_the_checker_catches_loss_duplicates_and_reordering(chk_db):
         report.assert_ok()
 
 
-def test_invariants_with_transient_and_permanent_failures(chk_db):
+@pytest.mark.parametrize("app", [APP, BATCH_APP], ids=["handler", "batch_handler"])
+def test_invariants_with_transient_and_permanent_failures(chk_db, app):
     """A mix of transient (10%) and permanent (3%) failures under concurrency: every message done or
     dead-lettered, none twice, no duplicate effect, order kept (skipping only the dead letters)."""
     report, _ = _scenario(
-        chk_db.url, count=1500, keys=150, env={"CHECKER_FAIL_RATE": "0.1", "CHECKER_PERMANENT_RATE": "0.03"}
+        chk_db.url,
+        count=1500,
+        keys=150,
+        env={"CHECKER_FAIL_RATE": "0.1", "CHECKER_PERMANENT_RATE": "0.03"},
+        app=app,
     )
     report.assert_ok()
     assert report.dead_lettered > 0 and report.done + report.dead_lettered == report.produced

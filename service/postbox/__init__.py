@@ -6,7 +6,8 @@ change between releases:
 - write messages inside your own transaction: :func:`receive` (inbox), :func:`publish` (outbox),
   their ``_many`` (batch) and ``_async`` forms, and :func:`declare_consumer`;
 - handle them: a :class:`Registry` of handlers, each given a :class:`Message` and a
-  :class:`Context`, saying how an attempt ended with :class:`Retry`, :class:`Permanent` or
+  :class:`Context` (or, for a batch handler, the messages of a batch and a :class:`BatchContext`),
+  saying how an attempt ended with :class:`Retry`, :class:`Permanent` or
   :class:`UnknownOutcome` (or any exception, classified by the rules);
 - run them: :class:`Worker` (the inbox) and :class:`Relay` (the outbox) as the ``postbox``
   command does, or embedded in your own program;
@@ -20,7 +21,7 @@ from postbox.errors import ConfigError, InvalidMessage, InvalidRequest, PostboxE
 from postbox.failures.outcomes import Permanent, Retry, Transient, UnknownOutcome
 from postbox.inbox.connection import HandlerEndedTransaction
 from postbox.inbox.consumers import declare_consumer
-from postbox.inbox.handlers import AsyncContext, Context, Message, Registry
+from postbox.inbox.handlers import AsyncContext, BatchContext, Context, Message, Registry
 from postbox.inbox.receive import receive, receive_async, receive_many, receive_many_async
 from postbox.inbox.worker import Worker, WorkerSettings
 from postbox.messages import InboxMessage, OutboxMessage, ReceiveResult, ReceiveStatus
@@ -29,6 +30,7 @@ from postbox.outbox.relay import Relay, RelaySettings
 
 __all__ = [
     "AsyncContext",
+    "BatchContext",
     "ConfigError",
     "Context",
     "HandlerEndedTransaction",

@@ -9,6 +9,10 @@ variables so that every process of a run misbehaves the same way:
   before the effect, after the effect but before commit, and after commit;
 - ``CHECKER_PERMANENT_RATE``: share of messages that always fail permanently (dead-lettered, skipped);
 - payload ``{"poison": true}``: the process kills itself on every attempt of that message.
+
+``batch_registry`` is the same handler as a batch handler: the faults of each message of a call
+are rolled for that message, so a failing message fails the whole call (which is then run again
+one message at a time) and a dying one kills the process in the middle of a call.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from typing import Any
 
 from postbox.failures.outcomes import Permanent
 from postbox.failures.policy import Backoff, RetryPolicy
-from postbox.inbox.handlers import Context, Message, Registry
+from postbox.inbox.handlers import BatchContext, Context, Message, Registry
 from tests.helpers import record_effect
 
 FAIL_RATE = float(os.environ.get("CHECKER_FAIL_RATE", "0"))
@@ -48,7 +52,7 @@ def _die() -> None:
 
 
 @registry.handler("chk", retry=POLICY, on_dead_letter="skip")
-def handle(message: Message, ctx: Context) -> None:
+def handle(message: Message, ctx: Context | BatchContext) -> None:
     if isinstance(message.payload, dict) and message.payload.get("poison"):
         _die()
     die = _roll(message, "die") < DIE_RATE
@@ -75,3 +79,14 @@ def _after_commit(event: str, data: dict[str, Any]) -> None:
 
 
 registry.listeners.append(_after_commit)
+
+batch_registry = Registry()
+
+
+@batch_registry.batch_handler("chk", retry=POLICY, on_dead_letter="skip")
+def handle_batch(messages: list[Message], ctx: BatchContext) -> None:
+    for message in messages:
+        handle(message, ctx)
+
+
+batch_registry.listeners.append(_after_commit)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from postbox.inbox.handlers import Context, Message, Registry
+from postbox.inbox.handlers import BatchContext, Context, Message, Registry
 
 registry = Registry()
 
@@ -14,4 +14,23 @@ def effect(message: Message, ctx: Context) -> None:
         "INSERT INTO bench_effects (message_id, key, seq, latency_ms) VALUES (%s, %s, %s,"
         " extract(epoch FROM clock_timestamp() - %s) * 1000)",
         (message.message_id, message.key, message.sequence, message.received_at),
+    )
+
+
+batch_registry = Registry()
+
+
+@batch_registry.batch_handler("bench")
+def effects(messages: list[Message], ctx: BatchContext) -> None:
+    """The same effect rows for a whole claimed batch, in one statement (a batch handler)."""
+    ctx.conn.execute(
+        "INSERT INTO bench_effects (message_id, key, seq, latency_ms) SELECT m, k, s,"
+        " extract(epoch FROM clock_timestamp() - r) * 1000"
+        " FROM unnest(%s::text[], %s::text[], %s::bigint[], %s::timestamptz[]) AS u(m, k, s, r)",
+        (
+            [m.message_id for m in messages],
+            [m.key for m in messages],
+            [m.sequence for m in messages],
+            [m.received_at for m in messages],
+        ),
     )

@@ -7,11 +7,19 @@ one transaction with the message's "done" mark and any ``ctx.publish(...)`` outb
 ``async def`` handler gets an :class:`AsyncContext`: ``ctx.conn`` is a ``psycopg.AsyncConnection``,
 ``ctx.session`` an SQLAlchemy ``AsyncSession`` and ``await ctx.publish(...)``, in that same
 transaction.
+
+A *batch* handler (:meth:`Registry.batch_handler`) is called as ``handler(messages, ctx)`` with
+the messages of a claimed batch that it handles (each the head of its key, so they never depend on
+one another's order) and a :class:`BatchContext`: one call and one statement can do the work of
+many messages. Their effects and their "done" marks commit together. If the call fails, its
+effects are rolled back and the messages are run again one at a time (``handler([message],
+ctx)``), so that only the message that fails is retried or dead-lettered.
 """
 
 from __future__ import annotations
 
 import hashlib
+import inspect
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -27,7 +35,16 @@ from postbox.failures.policy import RetryPolicy
 from postbox.messages import OutboxMessage
 from postbox.operations.tracing import child_headers
 
-__all__ = ["AsyncContext", "Context", "HandlerFunc", "HandlerSpec", "Message", "Registry"]
+__all__ = [
+    "AsyncContext",
+    "BatchContext",
+    "BatchHandlerFunc",
+    "Context",
+    "HandlerFunc",
+    "HandlerSpec",
+    "Message",
+    "Registry",
+]
 
 
 class Message(BaseModel):
@@ -56,6 +73,27 @@ class Message(BaseModel):
 
 # Called as handler(message, ctx): ctx is a Context, or an AsyncContext for an ``async def`` handler.
 HandlerFunc = Callable[[Message, Any], Any | Awaitable[Any]]
+# Called as handler(messages, ctx): a batch handler, with a BatchContext.
+BatchHandlerFunc = Callable[[list[Message], "BatchContext"], Any]
+
+
+def idempotency_key_for(message: Message, operation: str = "") -> str:
+    """A key stable across every attempt and replay of ``message``, one per logical operation.
+
+    A replay as a new message keeps the original's key (its ``postbox_replay_of`` header names the
+    original message), so a replay never repeats an external effect that did happen."""
+    original = message.headers.get("postbox_replay_of") if isinstance(message.headers, dict) else None
+    message_id = original.get("message_id") if isinstance(original, dict) else None
+    raw = f"{message.consumer}\x1f{message_id or message.message_id}\x1f{operation}"
+    return "pbx-" + hashlib.sha256(raw.encode()).hexdigest()[:32]
+
+
+def _derived(message: Message, destination: str, payload: Any, fields: dict[str, Any]) -> OutboxMessage:
+    """An outbox message published while handling ``message``: correlation and causation follow it."""
+    fields.setdefault("correlation_id", message.correlation_id or message.message_id)
+    fields.setdefault("causation_id", message.message_id)
+    fields["headers"] = child_headers(message.headers, fields.get("headers"))
+    return OutboxMessage(destination=destination, payload=payload, **fields)
 
 
 class _AttemptContext:
@@ -75,18 +113,10 @@ class _AttemptContext:
 
         A replay as a new message keeps the original's key (its ``postbox_replay_of`` header names the
         original message), so a replay never repeats an external effect that did happen."""
-        original = (
-            self.message.headers.get("postbox_replay_of") if isinstance(self.message.headers, dict) else None
-        )
-        message_id = original.get("message_id") if isinstance(original, dict) else None
-        raw = f"{self.message.consumer}\x1f{message_id or self.message.message_id}\x1f{operation}"
-        return "pbx-" + hashlib.sha256(raw.encode()).hexdigest()[:32]
+        return idempotency_key_for(self.message, operation)
 
     def _outbox_message(self, destination: str, payload: Any, fields: dict[str, Any]) -> OutboxMessage:
-        fields.setdefault("correlation_id", self.message.correlation_id or self.message.message_id)
-        fields.setdefault("causation_id", self.message.message_id)
-        fields["headers"] = child_headers(self.message.headers, fields.get("headers"))
-        return OutboxMessage(destination=destination, payload=payload, **fields)
+        return _derived(self.message, destination, payload, fields)
 
 
 class Context(_AttemptContext):
@@ -119,6 +149,47 @@ class Context(_AttemptContext):
     def _close_session(self) -> None:
         """After the handler returned: its session's work joins the message's transaction (the
         session's commit releases its savepoint; the worker commits the transaction)."""
+        if self._session is not None:
+            self._session.commit()
+            self._session.close()
+            self._session = None
+
+
+class BatchContext:
+    """What a batch handler may use during one call: the messages, the connection and session of
+    their transaction, and a publish that derives from one of them. Valid only while it runs."""
+
+    def __init__(
+        self,
+        messages: list[Message],
+        conn: psycopg.Connection[Any],
+        session_factory: Callable[[], Session],
+    ):
+        self.messages = messages
+        self.conn = conn
+        self._session_factory = session_factory
+        self._session: Session | None = None
+
+    @property
+    def session(self) -> Session:
+        """A SQLAlchemy ``Session`` on the same connection and transaction as ``conn``."""
+        if self._session is None:
+            self._session = self._session_factory()
+        return self._session
+
+    def idempotency_key(self, message: Message, operation: str = "") -> str:
+        """``message``'s idempotency key (per ``operation``), as :attr:`Context.idempotency_key`."""
+        return idempotency_key_for(message, operation)
+
+    def publish(self, message: Message, destination: str, payload: Any, **fields: Any) -> int:
+        """Write an outbox event in this transaction, derived from ``message`` (one of this call's):
+        its correlation and causation follow that message."""
+        from postbox.outbox.publish import publish
+
+        return publish(self.conn, _derived(message, destination, payload, fields))
+
+    def _close_session(self) -> None:
+        """After the handler returned: its session's work joins the batch's transaction."""
         if self._session is not None:
             self._session.commit()
             self._session.close()
@@ -175,6 +246,7 @@ class HandlerSpec:
     retry: RetryPolicy | None = None
     on_dead_letter: str | None = None
     schema_versions: frozenset[int] | None = None
+    batch: bool = False  # called as func(messages, BatchContext)
 
 
 @dataclass
@@ -219,6 +291,43 @@ class Registry:
 
         return register
 
+    def batch_handler(
+        self,
+        consumer: str,
+        type: str | None = None,
+        *,
+        idempotent: bool = False,
+        timeout: float | None = None,
+        retry: RetryPolicy | None = None,
+        on_dead_letter: str | None = None,
+        schema_versions: Iterable[int] | None = None,
+    ) -> Callable[[BatchHandlerFunc], BatchHandlerFunc]:
+        """Decorator: register a batch handler, ``func(messages, ctx)``, for ``consumer`` and ``type``.
+
+        It is called once with the messages of a claimed batch that it handles (up to the worker's
+        batch size) and a :class:`BatchContext`. If it fails, its effects are rolled back and each
+        message is run again alone (``func([message], ctx)``), so only the one that fails is retried
+        or dead-lettered; anything it does outside the database must therefore be idempotent
+        (``ctx.idempotency_key(message)``). ``timeout`` bounds one call. The other options are
+        :meth:`handler`'s. A plain (not ``async``) function.
+        """
+
+        def register(func: BatchHandlerFunc) -> BatchHandlerFunc:
+            self.add(
+                func,  # type: ignore[arg-type]
+                consumer,
+                type,
+                idempotent=idempotent,
+                timeout=timeout,
+                retry=retry,
+                on_dead_letter=on_dead_letter,
+                schema_versions=schema_versions,
+                batch=True,
+            )
+            return func
+
+        return register
+
     def add(
         self,
         func: HandlerFunc,
@@ -230,6 +339,7 @@ class Registry:
         retry: RetryPolicy | None = None,
         on_dead_letter: str | None = None,
         schema_versions: Iterable[int] | None = None,
+        batch: bool = False,
     ) -> None:
         if (consumer, type) in self.handlers:
             raise ValueError(f"postbox: a handler for consumer {consumer!r} type {type!r} exists already")
@@ -237,9 +347,14 @@ class Registry:
             raise ValueError("postbox: on_dead_letter must be block, skip or halt")
         if timeout is not None and timeout <= 0:
             raise ValueError("postbox: timeout must be positive")
+        if batch and inspect.iscoroutinefunction(func):
+            raise ValueError(
+                f"postbox: the batch handler for consumer {consumer!r} type {type!r} is async: batch handlers "
+                "are plain functions (register an async function per message with Registry.handler)"
+            )
         versions = frozenset(schema_versions) if schema_versions is not None else None
         self.handlers[(consumer, type)] = HandlerSpec(
-            func, consumer, type, idempotent, timeout, retry, on_dead_letter, versions
+            func, consumer, type, idempotent, timeout, retry, on_dead_letter, versions, batch
         )
 
     def lookup(self, consumer: str, type: str | None) -> HandlerSpec | None:

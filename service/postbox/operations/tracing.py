@@ -54,6 +54,7 @@ __all__ = [
     "child_traceparent",
     "decided",
     "processing",
+    "processing_batch",
     "producing",
     "relay_failed",
     "relaying",
@@ -256,11 +257,44 @@ def processing(message: _Delivered) -> Iterator[SpanHandle]:
         yield span
 
 
+@contextmanager
+def processing_batch(messages: Sequence[_Delivered]) -> Iterator[SpanHandle]:
+    """The CONSUMER span of one call of a batch handler: a root span with a link to each
+    message's ``traceparent`` (the messaging conventions' batch process span). Its outcome is
+    given with :func:`decided`; a failed call's messages then get a span each, run alone."""
+    tracer = _tracer() if OTEL else None
+    if tracer is None:
+        yield None
+        return
+    first = messages[0]
+    links = []
+    for message in messages:
+        context = _context_of(message.headers)
+        if context is not None:
+            links.append(trace.Link(trace.get_current_span(context).get_span_context()))
+    span = tracer.start_span(
+        f"process {first.consumer}",
+        kind=trace.SpanKind.CONSUMER,
+        links=links,
+        attributes={
+            "messaging.system": SYSTEM,
+            "messaging.operation.name": "process",
+            "messaging.operation.type": "process",
+            "messaging.destination.name": first.consumer,
+            "messaging.consumer.group.name": first.consumer,
+            "messaging.batch.message_count": len(messages),
+        },
+    )
+    with trace.use_span(span, end_on_exit=True):
+        yield span
+
+
 def decided(
     span: SpanHandle, decision: str, error: BaseException | None = None, error_type: str | None = None
 ) -> None:
-    """The outcome of an attempt on its span: ``done``, ``retry`` or ``dead_letter``, and the
-    exception of a failed one."""
+    """The outcome of an attempt on its span: ``done``, ``retry`` or ``dead_letter`` (or ``split``:
+    a batch handler's call that failed, its messages run again alone), and the exception of a
+    failed one."""
     if span is None or not span.is_recording():
         return
     span.set_attribute("postbox.decision", decision)

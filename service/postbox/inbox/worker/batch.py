@@ -44,6 +44,7 @@ class Batch:
     last_run: Message | None = None
     position: int = 0  # index of the message being (or last) run
     xid: str | None = None  # the transaction's id once assigned, as of before the last handler ran
+    savepoint: bool = False  # the batch's transaction and first savepoint are open
 
     def after(self, message: Message) -> list[Message]:
         """The messages after ``message`` that have not run."""

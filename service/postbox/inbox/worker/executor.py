@@ -2,7 +2,8 @@
 the transaction guarded, and classifies what it left (success, its error, a refused or performed
 end of the transaction, a transaction left in error).
 
-A sync handler gets a :class:`Context` over the slot's connection. An ``async def`` handler runs
+A sync handler gets a :class:`Context` over the slot's connection; a batch handler, called with
+several messages, a :class:`BatchContext` over it. An ``async def`` handler runs
 on the slot's own event loop with an :class:`AsyncContext`: an async connection over the same
 server session, so the same transaction, savepoint and refusals. The watchdog calls
 :meth:`Executor.check_deadline`: at the limit the handler's query is cancelled (an async handler
@@ -23,7 +24,7 @@ import psycopg
 
 from postbox.failures.outcomes import Permanent
 from postbox.inbox.connection import AsyncHandlerConnection, HandlerConnection, HandlerEndedTransaction
-from postbox.inbox.handlers import AsyncContext, Context, HandlerFunc, HandlerSpec, Message
+from postbox.inbox.handlers import AsyncContext, BatchContext, Context, HandlerFunc, HandlerSpec, Message
 from postbox.inbox.worker.base import SlotBase
 from postbox.inbox.worker.settings import (
     ABANDON_AFTER,
@@ -54,12 +55,9 @@ class Executor(SlotBase):
                 f"unsupported schema_version {message.schema_version} (handler accepts "
                 f"{', '.join(map(str, sorted(spec.schema_versions)))})"
             )
-        timeout = spec.timeout or self.settings.handler_timeout
-        with self._lock:
-            self._timed_out = False
-            self._timeout = timeout
-            self._deadline = time.monotonic() + timeout
-            self.busy = True
+        if spec.batch:
+            return self._run_batch_handler(spec, [message])
+        timeout = self._arm(spec)
         if self.aconn is not None and inspect.iscoroutinefunction(spec.func):
             outcome = self._run_async(spec, message, timeout)
         else:
@@ -67,6 +65,40 @@ class Executor(SlotBase):
         if self.abandoned:
             raise Abandoned
         return outcome
+
+    def _run_batch_handler(self, spec: HandlerSpec, messages: list[Message]) -> BaseException | None:
+        """One call of a batch handler with ``messages`` (supported by it, checked by the caller);
+        the error it raised (or returned), or None on success."""
+        assert self.conn is not None
+        timeout = self._arm(spec)
+        ctx = BatchContext(messages, self.conn, self._session_factory)
+        func: Callable[[list[Message], BatchContext], Any] = spec.func  # type: ignore[assignment]
+
+        def call() -> Any:
+            result = func(list(messages), ctx)
+            if inspect.isawaitable(result):  # a sync function returning an awaitable
+                result = self._event_loop().run_until_complete(asyncio.wait_for(_awaitable(result), timeout))
+            ctx._close_session()
+            return result
+
+        def close() -> None:
+            if ctx._session is not None:
+                ctx._session.close()
+
+        outcome = self._guarded(call, close, [self.conn], timeout)
+        if self.abandoned:
+            raise Abandoned
+        return outcome
+
+    def _arm(self, spec: HandlerSpec) -> float:
+        """The handler's time limit, from now on (the watchdog reads it); returns it."""
+        timeout = spec.timeout or self.settings.handler_timeout
+        with self._lock:
+            self._timed_out = False
+            self._timeout = timeout
+            self._deadline = time.monotonic() + timeout
+            self.busy = True
+        return timeout
 
     def _run_sync(self, spec: HandlerSpec, message: Message, timeout: float) -> BaseException | None:
         assert self.conn is not None

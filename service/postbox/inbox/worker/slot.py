@@ -16,7 +16,7 @@ import psycopg
 
 from postbox.failures.breaker import BreakerState
 from postbox.failures.policy import FailureKind
-from postbox.inbox.handlers import Message
+from postbox.inbox.handlers import HandlerSpec, Message
 from postbox.inbox.worker import savepoints
 from postbox.inbox.worker.batch import Batch, Inheritance, log_fields
 from postbox.inbox.worker.claim import ClaimLoop
@@ -68,26 +68,100 @@ class Slot(ClaimLoop, Executor, Completer):
             self.batch = None
 
     def _run_batch(self, batch: Batch) -> None:
+        """Run the batch's messages in order, each in its savepoint; the messages of a batch
+        handler run together in one call, at the first of them (they are heads of distinct keys,
+        so no message of the batch waits for another)."""
         assert self.conn is not None
-        savepoint = False
+        taken: set[int] = set()  # ids of messages already run as part of a batch handler's call
         for i, message in enumerate(batch.messages):
+            if message.id in taken:
+                continue
             if self.worker._aborting.is_set() or (
                 i > 0 and self.worker.breaker.state is not BreakerState.CLOSED
             ):
-                batch.unrun = batch.messages[i:]  # given back untouched: not an attempt
+                batch.unrun += [m for m in batch.messages[i:] if m.id not in taken]  # given back untouched
                 return
             policy = self._policy(message)
             if message.attempt > policy.max_attempts:
                 # Every delivery is counted at claim: a message that kept killing its worker ends here.
                 batch.failures.append(self._exhausted(message, policy))
                 continue
-            if savepoint:
-                savepoints.next_savepoint(self.conn, batch)
-            else:
-                savepoints.begin(self.conn)
-            savepoint = True
+            spec = self.worker.registry.lookup(message.consumer, message.type)
+            if spec is not None and spec.batch and _supports(spec, message):
+                group = [message, *self._group_after(batch, i, spec, taken)]
+                if len(group) > 1:
+                    taken.update(m.id for m in group)
+                    batch.position = i
+                    self._run_group(batch, spec, group)
+                    continue
+            self._open_savepoint(batch)
             batch.position = i
             self._run_one(batch, message)
+
+    def _group_after(self, batch: Batch, i: int, spec: HandlerSpec, taken: set[int]) -> list[Message]:
+        """The messages after position ``i`` that ``spec`` (a batch handler) runs with it: those it
+        handles and supports, not yet run and not past their attempts (these run alone)."""
+        lookup = self.worker.registry.lookup
+        return [
+            m
+            for m in batch.messages[i + 1 :]
+            if m.id not in taken
+            and lookup(m.consumer, m.type) is spec
+            and _supports(spec, m)
+            and m.attempt <= self._policy(m).max_attempts
+        ]
+
+    def _open_savepoint(self, batch: Batch) -> None:
+        assert self.conn is not None
+        if batch.savepoint:
+            savepoints.next_savepoint(self.conn, batch)
+        else:
+            savepoints.begin(self.conn)
+            batch.savepoint = True
+
+    def _run_group(self, batch: Batch, spec: HandlerSpec, group: list[Message]) -> None:
+        """Several messages in one call of their batch handler, in one savepoint: all done, or
+        their effects undone and each run again alone (only the one that fails fails)."""
+        assert self.conn is not None
+        self._open_savepoint(batch)
+        first = group[0]
+        batch.in_flight = first
+        with tracing.processing_batch(group) as span:
+            now = self.worker.clock.now()
+            for m in group:
+                metrics.record_start(m, now)
+            started = time.monotonic()
+            error = self._run_batch_handler(spec, group)
+            duration_ms = (time.monotonic() - started) * 1000.0
+            batch.last_run = group[-1]
+            error = self._after_handler(first, error)
+            batch.in_flight = None
+            share = duration_ms / len(group)
+            for m in group:
+                metrics.record_handler(m, share / 1000.0)
+                self._durations[m.id] = share
+            if error is None:
+                batch.done.extend(group)
+                for m in group:
+                    self._breaker_record(False, m.key)
+                tracing.decided(span, "done")
+                return
+            savepoints.roll_back(self.conn, first)
+            tracing.decided(span, "split", error)
+        log.info(
+            "slot %s: the batch handler failed for %s messages (%s: %s); running them one at a time",
+            self.index,
+            len(group),
+            type(error).__name__,
+            error,
+            extra={"event": "batch_split", "consumer": first.consumer, "messages": len(group)},
+        )
+        for m in group:
+            if self.worker._aborting.is_set():
+                batch.unrun.extend(x for x in group[group.index(m) :])
+                return
+            self._open_savepoint(batch)
+            self._run_one(batch, m)
 
     def _run_one(self, batch: Batch, message: Message) -> None:
         """One message in its savepoint: run its handler, keep or undo its effects."""
@@ -158,3 +232,7 @@ class Slot(ClaimLoop, Executor, Completer):
         return Inheritance(batch, in_flight, error, self._backend_pid)
 
     # --- settling --------------------------------------------------------------------------
+
+
+def _supports(spec: HandlerSpec, message: Message) -> bool:
+    return spec.schema_versions is None or message.schema_version in spec.schema_versions

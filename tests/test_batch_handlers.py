@@ -1,0 +1,227 @@
+"""Batch handlers: one call for the messages of a claimed batch, effects and done marks committed
+together, and a failing call undone and run again one message at a time, so that only the message
+that fails is retried or dead-lettered."""
+
+from __future__ import annotations
+
+import psycopg
+import pytest
+
+import postbox
+from postbox.failures.outcomes import Permanent, Retry
+from postbox.failures.policy import Backoff, RetryPolicy
+from postbox.inbox.handlers import Registry
+from postbox.inbox.worker import Worker, WorkerSettings
+from tests.helpers import EFFECTS_DDL, eventually, record_effect, scalar
+from tests.helpers import FAST_WORKER as FAST
+
+CALLS_DDL = "CREATE TABLE calls (id bigserial PRIMARY KEY, size integer NOT NULL, ids text[] NOT NULL)"
+
+
+@pytest.fixture
+def db(database):
+    with database.connect(autocommit=True) as c:
+        c.execute(EFFECTS_DDL)
+        c.execute(CALLS_DDL)
+    return database
+
+
+def start(url, registry, **kw):
+    w = Worker(url, registry, WorkerSettings(consumer="c", **{**FAST, **kw}))
+    w.start()
+    return w
+
+
+def run_until_settled(url, registry, **kw):
+    w = start(url, registry, **kw)
+    try:
+        eventually(
+            lambda: scalar(url, "SELECT count(*) = 0 FROM postbox.inbox WHERE state <> 'blocked'"),
+            what="inbox settled",
+        )
+    finally:
+        w.stop()
+        w.join()
+
+
+def produce(url, messages):
+    with psycopg.connect(url) as c:
+        postbox.receive_many(c, [{"consumer": "c", "payload": {}, **m} for m in messages])
+        c.commit()
+
+
+def effects(url):
+    with psycopg.connect(url) as c:
+        rows = c.execute("SELECT message_id, attempt FROM effects ORDER BY id").fetchall()
+    found: dict[str, list[int]] = {}
+    for message_id, attempt in rows:
+        found.setdefault(message_id, []).append(attempt)
+    return found
+
+
+def calls(url):
+    with psycopg.connect(url) as c:
+        return c.execute("SELECT size, ids FROM calls ORDER BY id").fetchall()
+
+
+def dead(url):
+    with psycopg.connect(url) as c:
+        rows = c.execute(
+            "SELECT message_id, reason, last_error_type, attempt FROM postbox.dead_letters"
+        ).fetchall()
+    return {m: (reason, error_type, attempt) for m, reason, error_type, attempt in rows}
+
+
+def record_call(ctx, messages):
+    ctx.conn.execute(
+        "INSERT INTO calls (size, ids) VALUES (%s, %s)", (len(messages), [m.message_id for m in messages])
+    )
+
+
+def test_a_batch_handler_gets_a_claimed_batch_in_one_call_and_keeps_every_keys_order(db):
+    """200 messages over 10 keys, 4 slots: every effect exactly once, each key's in sequence order,
+    and the handler called with several messages at a time, never more than the batch size."""
+    reg = Registry()
+
+    @reg.batch_handler("c")
+    def handle(messages, ctx):
+        record_call(ctx, messages)
+        for m in messages:
+            record_effect(ctx.conn, m.message_id, m.key, m.sequence, m.attempt)
+
+    produce(
+        db.url,
+        [{"message_id": f"{k}-{s}", "key": f"k{k}", "sequence": s} for s in range(20) for k in range(10)],
+    )
+    run_until_settled(db.url, reg, concurrency=4, batch_size=5)
+    found = effects(db.url)
+    assert len(found) == 200 and all(a == [1] for a in found.values())
+    with psycopg.connect(db.url) as c:
+        out_of_order = c.execute(
+            "SELECT count(*) FROM effects"
+            " WHERE prev_seq IS DISTINCT FROM CASE WHEN sequence = 0 THEN NULL ELSE sequence - 1 END"
+        ).fetchone()[0]
+    assert out_of_order == 0
+    sizes = [size for size, _ in calls(db.url)]
+    assert sum(sizes) == 200 and max(sizes) <= 5 and max(sizes) > 1
+
+
+def test_a_failing_message_is_run_alone_and_only_it_is_dead_lettered(db):
+    """The call with the poisoned message fails: its effects are undone, and each of its messages is
+    run again alone. The others are done at attempt 1, once each; the poisoned one is dead-lettered
+    with its own error."""
+    reg = Registry()
+
+    @reg.batch_handler("c")
+    def handle(messages, ctx):
+        record_call(ctx, messages)
+        for m in messages:
+            record_effect(ctx.conn, m.message_id, m.key, m.sequence, m.attempt)
+            if m.payload.get("poison"):
+                raise Permanent(f"{m.message_id} cannot be handled")
+
+    produce(db.url, [{"message_id": "a"}, {"message_id": "b"}, {"message_id": "bad", "payload": {"poison": 1}},
+                     {"message_id": "c"}])  # fmt: skip
+    run_until_settled(db.url, reg, batch_size=10)
+    assert effects(db.url) == {"a": [1], "b": [1], "c": [1]}
+    assert dead(db.url) == {"bad": ("permanent", "Permanent", 1)}
+    assert calls(db.url) == [(1, ["a"]), (1, ["b"]), (1, ["c"])]  # the failed call's row was undone too
+    assert scalar(db.url, "SELECT count(*) FROM postbox.attempts WHERE message_id <> 'bad'") == 0
+
+
+def test_a_transient_failure_retries_only_its_message(db):
+    """One message asks for a retry on its first attempt: it alone is retried (and then done at
+    attempt 2); the others of its call are done once, at attempt 1."""
+    reg = Registry()
+
+    @reg.batch_handler("c", retry=RetryPolicy(strategy=Backoff.FIXED, base_delay=0.05, max_attempts=3))
+    def handle(messages, ctx):
+        for m in messages:
+            if m.message_id == "flaky" and m.attempt == 1:
+                raise Retry(after=0.05, reason="not yet")
+            record_effect(ctx.conn, m.message_id, m.key, m.sequence, m.attempt)
+
+    produce(db.url, [{"message_id": m} for m in ("a", "flaky", "b")])
+    run_until_settled(db.url, reg, batch_size=10)
+    assert effects(db.url) == {"a": [1], "flaky": [2], "b": [1]}
+    assert dead(db.url) == {}
+
+
+def test_a_batch_handler_that_tries_to_commit_harms_only_the_message_that_makes_it(db):
+    """ctx.conn refuses to commit while a batch handler runs: the call fails, its messages run
+    alone, and only the one that makes it commit is dead-lettered; nothing of it committed."""
+    reg = Registry()
+
+    @reg.batch_handler("c")
+    def handle(messages, ctx):
+        for m in messages:
+            record_effect(ctx.conn, m.message_id, m.key, m.sequence, m.attempt)
+        if any(m.payload.get("commit") for m in messages):
+            ctx.conn.commit()
+
+    produce(
+        db.url, [{"message_id": "a"}, {"message_id": "bad", "payload": {"commit": 1}}, {"message_id": "b"}]
+    )
+    run_until_settled(db.url, reg, batch_size=10)
+    assert effects(db.url) == {"a": [1], "b": [1]}
+    assert dead(db.url) == {"bad": ("handler_ended_transaction", "HandlerEndedTransaction", 1)}
+
+
+def test_a_call_past_its_time_limit_is_cancelled_and_only_the_slow_message_fails(db):
+    """A call that runs past the handler's time limit is cancelled; run alone, the fast messages
+    are done and the slow one fails with the time limit."""
+    reg = Registry()
+
+    @reg.batch_handler("c", timeout=0.5, retry=RetryPolicy(max_attempts=1))
+    def handle(messages, ctx):
+        for m in messages:
+            if m.payload.get("slow"):
+                ctx.conn.execute("SELECT pg_sleep(30)")
+            record_effect(ctx.conn, m.message_id, m.key, m.sequence, m.attempt)
+
+    produce(
+        db.url, [{"message_id": "a"}, {"message_id": "slow", "payload": {"slow": 1}}, {"message_id": "b"}]
+    )
+    run_until_settled(db.url, reg, batch_size=10)
+    assert effects(db.url) == {"a": [1], "b": [1]}
+    assert dead(db.url) == {"slow": ("attempts_exhausted", "HandlerTimeout", 1)}
+
+
+def test_messages_of_other_types_and_unsupported_versions_run_on_their_own(db):
+    """A batch handler takes the messages it handles and supports; a per-message handler of the
+    same consumer runs its own, and an unsupported schema version is dead-lettered alone."""
+    reg = Registry()
+
+    @reg.batch_handler("c", "order", schema_versions=[1])
+    def orders(messages, ctx):
+        record_call(ctx, messages)
+        for m in messages:
+            record_effect(ctx.conn, m.message_id, m.key, m.sequence, m.attempt)
+            ctx.publish(m, "shipping", {"for": m.message_id})
+
+    @reg.handler("c", "note")
+    def note(m, ctx):
+        record_effect(ctx.conn, m.message_id, m.key, m.sequence, m.attempt)
+
+    produce(db.url, [{"message_id": "o1", "type": "order"}, {"message_id": "n1", "type": "note"},
+                     {"message_id": "o2", "type": "order"}, {"message_id": "o3", "type": "order", "schema_version": 2},
+                     {"message_id": "o4", "type": "order"}])  # fmt: skip
+    run_until_settled(db.url, reg, batch_size=10)
+    assert effects(db.url) == {"o1": [1], "n1": [1], "o2": [1], "o4": [1]}
+    assert calls(db.url) == [(3, ["o1", "o2", "o4"])]
+    assert dead(db.url) == {"o3": ("permanent", "Permanent", 1)}
+    with psycopg.connect(db.url) as c:
+        published = c.execute(
+            "SELECT payload->>'for', causation_id FROM postbox.outbox ORDER BY id"
+        ).fetchall()
+    assert published == [("o1", "o1"), ("o2", "o2"), ("o4", "o4")]
+
+
+def test_an_async_batch_handler_is_refused_at_registration():
+    reg = Registry()
+
+    async def handle(messages, ctx):  # pragma: no cover - never called
+        pass
+
+    with pytest.raises(ValueError, match="batch handlers are plain functions"):
+        reg.batch_handler("c")(handle)
