@@ -192,6 +192,45 @@ def test_an_async_handler_runs_in_its_attempt_span(database, provider):
     assert _headers(url, "outbox", "ea1")["traceparent"] == _traceparent(publish)
 
 
+def test_a_batch_handlers_call_is_one_span_linked_to_each_message_and_a_failed_call_splits(
+    database, provider
+):
+    """A batch handler's call with three messages is one ``process`` span linked to each message's
+    ``traceparent``; a call that fails is marked ``split`` and its messages get a span each."""
+    sdk, exporter = provider
+    url = database.url
+    with sdk.get_tracer("app").start_as_current_span("checkout"), psycopg.connect(url) as conn:
+        for i in range(3):
+            postbox.receive(conn, consumer="c", message_id=f"b{i}", key=f"k{i}", payload={}, headers={
+                "traceparent": f"00-{i + 1:032x}-{i + 1:016x}-01"})  # fmt: skip
+        conn.commit()
+    registry = Registry()
+    calls: list[int] = []
+
+    @registry.batch_handler("c", retry=QUICK)
+    def handle(messages, ctx):
+        calls.append(len(messages))
+        if len(calls) == 1:
+            raise ConnectionError("the first call fails")
+
+    worker = Worker(url, registry, WorkerSettings(consumer="c", batch_size=10, **FAST_WORKER))
+    worker.start()
+    try:
+        eventually(lambda: scalar(url, DRAINED), what=DRAINED)
+    finally:
+        worker.stop()
+        worker.join()
+    assert calls == [3, 1, 1, 1]
+    process = _named(exporter.get_finished_spans(), "process c")
+    batch = [s for s in process if s.attributes.get("messaging.batch.message_count") == 3]
+    assert len(batch) == 1 and batch[0].attributes["postbox.decision"] == "split"
+    assert batch[0].parent is None
+    assert sorted(link.context.trace_id for link in batch[0].links) == [1, 2, 3]
+    alone = [s for s in process if s is not batch[0]]
+    assert sorted(s.context.trace_id for s in alone) == [1, 2, 3]
+    assert all(s.attributes["postbox.decision"] == "done" for s in alone)
+
+
 def _publish_one(url: str, provider: TracerProvider, message_id: str, key: str, payload: object) -> None:
     with (
         provider.get_tracer("app").start_as_current_span(f"order {message_id}"),
