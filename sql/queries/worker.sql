@@ -17,17 +17,18 @@ SELECT postbox.reap_stale_workers_v1(make_interval(secs => CAST(:stale_after AS 
 -- name: worker_unregister
 SELECT postbox.worker_unregister_v1(:id);
 
--- Around every handler: the message's savepoint in the batch's transaction. The first one goes
--- through psycopg (which begins the transaction); the others are sent straight through libpq.
+-- Around every handler: the message's savepoint in the batch's transaction, sent straight through
+-- libpq. The first one begins the transaction in the same round trip; the last one is not released
+-- (the commit keeps it).
 
 -- name: worker_savepoint
+BEGIN; SAVEPOINT postbox_m;
+
+-- name: worker_savepoint_only
 SAVEPOINT postbox_m;
 
 -- name: worker_savepoint_rollback
 ROLLBACK TO SAVEPOINT postbox_m;
-
--- name: worker_savepoint_release
-RELEASE SAVEPOINT postbox_m;
 
 -- name: worker_savepoint_next
 RELEASE SAVEPOINT postbox_m; SAVEPOINT postbox_m;

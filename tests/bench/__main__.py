@@ -103,6 +103,11 @@ def processing_workloads(b: Bench, sizes: dict[str, int], first: bool) -> None:
     b.record(report.DRAIN, "msg/s", rate)
     b.record(report.DRAIN_RSS, "MB", rss)
     b.record(report.DRAIN_SQL, "msg/s", b.drain_sql(sizes["drain_sql"], 500, 50, sizes["bound_seconds"]))
+    # The same drain with a batch handler (one INSERT per call, as the SQL-only drain), twice the
+    # messages: it takes under half the time.
+    rate, rss = b.drain(2 * sizes["drain"], 500, processes=2, concurrency=2, batch=50, app="batch_registry")
+    b.record(report.DRAIN_BATCH, "msg/s", rate)
+    b.record(report.DRAIN_BATCH_RSS, "MB", rss)
     # What bounds it: the same drain in batches of 10 (the sustained load's), and the round trips
     # the machine makes with nothing to do (a message costs two: its savepoint, its handler's statement).
     b.record(report.DRAIN_10, "msg/s", b.drain(sizes["drain"], 500, processes=2, concurrency=2, batch=10)[0])

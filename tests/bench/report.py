@@ -40,8 +40,10 @@ TWO_ROWS_500 = "pgbench ledger + inbox rows with their checks, 500 per statement
 INSERT_UPDATE = "pgbench INSERT+UPDATE, -c 4 -j 2"
 DRAIN = "ordered drain, 500 keys, 2 proc x 2 slots"
 DRAIN_RSS = "worker peak RSS during drain"
+DRAIN_BATCH_RSS = "worker peak RSS during drain with a batch handler"
 DRAIN_SQL = "drain in SQL only (claim + effects + complete per 50), pgbench -c 4"
 DRAIN_10 = "ordered drain, 500 keys, 2 proc x 2 slots, batch 10"
+DRAIN_BATCH = "ordered drain, batch handler (one statement per call), 500 keys, 2 proc x 2 slots"
 ROUND_TRIPS = "pgbench empty round trips (SELECT 1), -c 4 -j 2"
 RELAY_POSTGRES = "relay to postgres, 500 keys, in order, confirmed"
 RELAY_RABBITMQ = "relay to rabbitmq, 500 keys, in order, confirmed"
@@ -146,6 +148,18 @@ CHECKS: tuple[Check, ...] = (
         "ordered drain / drain in SQL only (the same work without a client)", DRAIN, DRAIN_SQL, (">=", 0.8)
     ),
     Check(
+        "ordered drain with a batch handler / drain in SQL only (both one statement per batch)",
+        DRAIN_BATCH,
+        DRAIN_SQL,
+        (">=", 0.8),
+    ),
+    Check(
+        "ordered drain with a batch handler / with a handler per message",
+        DRAIN_BATCH,
+        DRAIN,
+        detail=True,
+    ),
+    Check(
         "ordered drain / pgbench empty round trips, -c 4 (a message takes two: its savepoint, its handler's"
         " statement)",
         DRAIN,
@@ -202,6 +216,7 @@ CHECKS: tuple[Check, ...] = (
     Check("relay to RabbitMQ, rows/s", RELAY_RABBITMQ, target=(">=", 3000)),
     Check("relay to Kafka / relay to RabbitMQ", RELAY_KAFKA, RELAY_RABBITMQ, (">=", 1.0)),
     Check("worker peak RSS, MB", DRAIN_RSS, target=("<=", 150)),
+    Check("worker peak RSS with a batch handler, MB", DRAIN_BATCH_RSS, target=("<=", 150)),
     Check("single receive / pgqueuer single enqueue", RECEIVE_SINGLE, PGQUEUER_SINGLE, (">=", 1.0)),
     Check(
         "single receive with a key / pgqueuer single enqueue",

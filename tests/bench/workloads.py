@@ -90,8 +90,12 @@ class Bench(Harness):
             c.execute("ANALYZE")  # as for the peers: plans for the backlog, as autovacuum would make them
             c.commit()
 
-    def drain(self, n: int, keys: int, processes: int, concurrency: int, batch: int) -> tuple[float, float]:
-        """Ordered drain: msgs/s, and peak worker RSS in MB. Verifies order and exactly-once after."""
+    def drain(
+        self, n: int, keys: int, processes: int, concurrency: int, batch: int, app: str = "registry"
+    ) -> tuple[float, float]:
+        """Ordered drain: msgs/s, and peak worker RSS in MB. Verifies order and exactly-once after.
+        ``app`` names the handlers in tests/bench/app.py: ``registry`` (a handler per message) or
+        ``batch_registry`` (a batch handler: one statement per call)."""
         url = self.fresh()
         self._preload(url, n, keys)
         procs = [
@@ -102,7 +106,7 @@ class Bench(Harness):
                 "--consumer",
                 "bench",
                 "--app",
-                "tests.bench.app:registry",
+                f"tests.bench.app:{app}",
                 "--concurrency",
                 str(concurrency),
                 "--batch-size",

@@ -1,7 +1,7 @@
 """The savepoint around every handler, in the batch's transaction.
 
-The first savepoint of a batch goes through psycopg (which begins the transaction); the others,
-and their release or rollback, are named queries sent straight through libpq
+The batch's transaction and first savepoint begin in one command; the other savepoints, and their
+release or rollback, are named queries sent straight through libpq
 (:func:`postbox.db.connector.send_raw`): they run around every handler, and psycopg's cursor
 machinery costs more than the command itself. A transaction found gone means the last handler
 ended it (``COMMIT``/``ROLLBACK`` as SQL): :class:`TransactionEnded` names it.
@@ -19,15 +19,25 @@ from postbox.inbox.handlers import Message
 from postbox.inbox.worker.batch import Batch
 from postbox.inbox.worker.settings import TransactionEnded
 
-__all__ = ["begin", "next_savepoint", "release", "roll_back"]
+__all__ = ["begin", "next_savepoint", "roll_back"]
 
 # SQLSTATEs of a savepoint command that finds the batch's transaction gone: the handler ended it.
 _ENDED = {"3B001", "25P01"}
 
 
 def begin(conn: psycopg.Connection[Any]) -> None:
-    """The batch's first savepoint (psycopg begins the batch's transaction)."""
-    run(conn, query("worker_savepoint"), {})
+    """Begin the batch's transaction and its first savepoint, in one round trip (psycopg would
+    send its ``BEGIN`` on its own first). psycopg reads the transaction's state from the server's
+    connection, so it sees the transaction as open, as if it had begun it."""
+    if conn.info.transaction_status is not psycopg.pq.TransactionStatus.IDLE:
+        run(conn, query("worker_savepoint_only"), {})  # a transaction is open already
+        return
+    result = send_raw(conn, query("worker_savepoint"))
+    if result.status != psycopg.pq.ExecStatus.COMMAND_OK:
+        if conn.pgconn.status != psycopg.pq.ConnStatus.OK:
+            raise psycopg.OperationalError(conn.pgconn.error_message.decode(errors="replace"))
+        message = (result.error_message or b"BEGIN failed").decode(errors="replace")
+        raise psycopg.DatabaseError(message)
 
 
 def next_savepoint(conn: psycopg.Connection[Any], batch: Batch) -> None:
@@ -44,11 +54,6 @@ def next_savepoint(conn: psycopg.Connection[Any], batch: Batch) -> None:
 def roll_back(conn: psycopg.Connection[Any], culprit: Message) -> None:
     """Undo the failed handler's effects (back to its savepoint)."""
     _command(conn, "worker_savepoint_rollback", culprit)
-
-
-def release(conn: psycopg.Connection[Any], culprit: Message) -> None:
-    """Keep the last handler's effects in the batch's transaction."""
-    _command(conn, "worker_savepoint_release", culprit)
 
 
 def _command(conn: psycopg.Connection[Any], name: str, culprit: Message) -> str | None:
