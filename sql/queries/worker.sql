@@ -18,8 +18,7 @@ SELECT postbox.reap_stale_workers_v1(make_interval(secs => CAST(:stale_after AS 
 SELECT postbox.worker_unregister_v1(:id);
 
 -- Around every handler: the message's savepoint in the batch's transaction, sent straight through
--- libpq. The first one begins the transaction in the same round trip; the last one is not released
--- (the commit keeps it).
+-- libpq. The first one begins the transaction in the same round trip.
 
 -- name: worker_savepoint
 BEGIN; SAVEPOINT postbox_m;
@@ -29,6 +28,9 @@ SAVEPOINT postbox_m;
 
 -- name: worker_savepoint_rollback
 ROLLBACK TO SAVEPOINT postbox_m;
+
+-- name: worker_savepoint_release
+RELEASE SAVEPOINT postbox_m;
 
 -- name: worker_savepoint_next
 RELEASE SAVEPOINT postbox_m; SAVEPOINT postbox_m;

@@ -46,7 +46,10 @@ class Slot(ClaimLoop, Executor, Completer):
         self._durations = {}
         try:
             self._run_batch(batch)
-            # The last savepoint is left open: the commit keeps it with the rest (no round trip).
+            if batch.done and batch.last_run is batch.done[-1]:
+                # Also tells whether the last handler ended the transaction (and a later statement
+                # of its own began another): the savepoint is then gone.
+                savepoints.release(self.conn, batch.last_run)
             self._finish(batch.done, batch.failures, batch.unrun)
         except TransactionEnded as ended:
             self._settle_ended(batch, ended.culprit)
