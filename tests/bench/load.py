@@ -99,10 +99,10 @@ def _producer(url: str, p: int, commands: Any, results: Any) -> None:
             results.put((new, time.time()))
 
 
-def _workers(url: str) -> list[Any]:
+def _workers(url: str, app: str) -> list[Any]:
     return [
         spawn_postbox(
-            *("--database-url", url, "worker", "--consumer", "bench", "--app", "tests.bench.app:registry"),
+            *("--database-url", url, "worker", "--consumer", "bench", "--app", f"tests.bench.app:{app}"),
             *("--concurrency", "2", "--batch-size", str(WORKER_BATCH), "--listen", "--poll-interval", "0.05"),
         )
         for _ in range(WORKERS)
@@ -161,11 +161,11 @@ def _stopped(proc: subprocess.Popen[bytes]) -> None:
 class Load:
     """The workload's database, worker processes and producer processes."""
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, app: str) -> None:
         self.url = url
         self.conn = psycopg.connect(url, autocommit=True)
         self.conn.execute(EFFECT_DONE_TRIGGER)
-        self.workers = _workers(url)
+        self.workers = _workers(url, app)
         # Deployed beside the workers, as the schema's owner here: it vacuums the queue tables.
         self.maintain = spawn_postbox("--database-url", url, "maintain")
         ctx = multiprocessing.get_context("spawn")
@@ -220,8 +220,8 @@ class Load:
         self.conn.close()
 
 
-def _ladder(url: str, drain_rate: float, seconds: float) -> tuple[Load, list[Rung]]:
-    load = Load(url)
+def _ladder(url: str, drain_rate: float, seconds: float, app: str) -> tuple[Load, list[Rung]]:
+    load = Load(url, app)
     rungs: list[Rung] = []
     try:
         load.ready()
@@ -241,15 +241,19 @@ def _ladder(url: str, drain_rate: float, seconds: float) -> tuple[Load, list[Run
     return load, rungs
 
 
-def sustained(b: Harness, drain_rate: float, seconds: float) -> tuple[Rung | None, float, list[Rung]]:
+def sustained(
+    b: Harness, drain_rate: float, seconds: float, app: str = "registry"
+) -> tuple[Rung | None, float, list[Rung]]:
     """The ladder at FRACTIONS of ``drain_rate``, ``seconds`` each (up to the first whose backlog
-    grows): the highest rung with a bounded backlog and p99 under P99_LIMIT_MS (None if none), the
-    workers' peak RSS (MB), every rung run."""
+    grows), with the handlers ``app`` of tests/bench/app.py (``registry``: one per message;
+    ``batch_registry``: a batch handler): the highest rung with a bounded backlog and p99 under
+    P99_LIMIT_MS (None if none), the workers' peak RSS (MB), every rung run."""
     url = b.fresh()
     try:
-        load, rungs = _ladder(url, drain_rate, seconds)
+        load, rungs = _ladder(url, drain_rate, seconds, app)
     finally:
         b.drop(url)
-    b.extra.setdefault("sustained load rungs", []).append([asdict(r) | {"ok": r.ok} for r in rungs])
+    key = "sustained load rungs" if app == "registry" else f"sustained load rungs ({app})"
+    b.extra.setdefault(key, []).append([asdict(r) | {"ok": r.ok} for r in rungs])
     best = max((r for r in rungs if r.ok), key=lambda r: r.achieved, default=None)
     return best, load.peak, rungs

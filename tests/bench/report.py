@@ -59,6 +59,9 @@ LEDGER_FILL = "filling the 50M-row ledger (INSERT ... SELECT, VACUUM ANALYZE)"
 SUSTAINED = "sustained load: highest rate with a bounded backlog and p99 < 100 ms"
 SUSTAINED_P99 = "sustained load: receive→commit p99 at that rate"
 SUSTAINED_RSS = "worker peak RSS under sustained load"
+SUSTAINED_BATCH = "sustained load with a batch handler: highest rate with a bounded backlog and p99 < 100 ms"
+SUSTAINED_BATCH_P99 = "sustained load with a batch handler: receive→commit p99 at that rate"
+SUSTAINED_BATCH_RSS = "worker peak RSS under sustained load with a batch handler"
 REPLAY = "replay send-back, blocked dead letters, batch 500"
 LATENCY_LISTEN_P99 = "receive→handler at 200 msg/s, LISTEN/NOTIFY, p99"
 PROCRASTINATE_ORDERED = "procrastinate drain, lock=<key>, 500 keys, 2 proc x 2"
@@ -212,6 +215,23 @@ CHECKS: tuple[Check, ...] = (
         detail=True,
     ),
     Check("worker peak RSS under sustained load, MB", SUSTAINED_RSS, target=("<=", 100)),
+    Check(
+        "sustained rate with a batch handler / ordered drain with a batch handler",
+        SUSTAINED_BATCH,
+        DRAIN_BATCH,
+        (">=", 0.8),
+    ),
+    Check(
+        "sustained rate with a batch handler / ordered drain with a handler per message",
+        SUSTAINED_BATCH,
+        DRAIN,
+        detail=True,
+    ),
+    Check(
+        "worker peak RSS under sustained load with a batch handler, MB",
+        SUSTAINED_BATCH_RSS,
+        target=("<=", 100),
+    ),
     Check("relay to PostgreSQL, rows/s", RELAY_POSTGRES, target=(">=", 5000)),
     Check("relay to RabbitMQ, rows/s", RELAY_RABBITMQ, target=(">=", 3000)),
     Check("relay to Kafka / relay to RabbitMQ", RELAY_KAFKA, RELAY_RABBITMQ, (">=", 1.0)),

@@ -29,7 +29,7 @@ import psycopg
 from postbox.clock import Clock, SystemClock
 from postbox.config.urls import libpq_url
 from postbox.db import query
-from postbox.db.connector import run
+from postbox.db.connector import int_array, run
 from postbox.failures.classify import Classifier, fingerprint
 from postbox.failures.policy import DeadLetter, RetryAt, RetryPolicy, decide
 from postbox.operations import metrics, tracing
@@ -286,7 +286,11 @@ class _Loop:
             lost = run(
                 self.conn,
                 query("outbox_complete"),
-                {"ids": [r.id for r in published], "attempts": [r.attempt for r in published], "now": now},
+                {
+                    "ids": int_array([r.id for r in published]),
+                    "attempts": int_array([r.attempt for r in published]),
+                    "now": now,
+                },
             )
             if lost and lost[0][0]:
                 # Another relay took these over after our lease ran out: they were published

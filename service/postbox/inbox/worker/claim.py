@@ -14,7 +14,7 @@ from postbox.db import query
 from postbox.failures.breaker import BreakerState
 from postbox.inbox.handlers import Message
 from postbox.inbox.worker.base import SlotBase
-from postbox.inbox.worker.batch import MESSAGE_FIELDS
+from postbox.inbox.worker.batch import message_from_row
 from postbox.inbox.worker.settings import Abandoned, SlotStop
 from postbox.operations import metrics
 from postbox.operations.lifecycle import claim
@@ -84,7 +84,7 @@ class ClaimLoop(SlotBase):
             {"consumer": self.settings.consumer, "worker": self.worker.id, "limit": limit,
              "lease": self.settings.lease_seconds, "now": self.worker.clock.now()},
         )  # fmt: skip
-        batch = [Message.model_construct(**dict(zip(MESSAGE_FIELDS, r, strict=True))) for r in rows]
+        batch = [message_from_row(r) for r in rows]
         metrics.record_claim(self.settings.consumer, batch, time.monotonic() - started)
         if batch:
             self.worker._emit("claimed", ids=[m.id for m in batch])

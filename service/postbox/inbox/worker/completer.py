@@ -11,7 +11,7 @@ from datetime import datetime
 import psycopg
 
 from postbox.db import query
-from postbox.db.connector import run
+from postbox.db.connector import int_array, run
 from postbox.failures.breaker import BreakerState
 from postbox.failures.classify import Classification, fingerprint
 from postbox.failures.policy import DeadLetter, FailureKind, RetryAt, RetryPolicy, decide
@@ -214,7 +214,11 @@ class Completer(SlotBase):
             rows = run(
                 conn,
                 query("inbox_complete"),
-                {"ids": [m.id for m in done], "attempts": [m.attempt for m in done], "now": now},
+                {
+                    "ids": int_array([m.id for m in done]),
+                    "attempts": int_array([m.attempt for m in done]),
+                    "now": now,
+                },
             )
             lost = set(rows[0][0]) if rows and rows[0][0] else set()
         if lost:
