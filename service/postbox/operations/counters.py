@@ -46,6 +46,7 @@ __all__ = [
     "record_handler",
     "record_start",
     "record_success",
+    "record_successes",
 ]
 
 REGISTRY = CollectorRegistry(auto_describe=True)
@@ -229,9 +230,26 @@ def record_handler(message: Any, seconds: float) -> None:
     _child(HANDLER_SECONDS, message.consumer, _type(message)).observe(seconds)
 
 
+def record_successes(messages: Sequence[Any], now: datetime) -> None:
+    """After the commit of a batch's successful messages: :func:`record_success` for each, with
+    one update of the processed count per consumer and type."""
+    counts: dict[tuple[str, str], int] = {}
+    for message in messages:
+        labels = (message.consumer, _type(message))
+        counts[labels] = counts.get(labels, 0) + 1
+        if message.attempt > 1 or message.first_failed_at is not None:
+            _after_failures(message, now)
+    for labels, n in counts.items():
+        _child(PROCESSED, *labels).inc(n)
+
+
 def record_success(message: Any, now: datetime) -> None:
     """After the commit of a successful message."""
     _child(PROCESSED, message.consumer, _type(message)).inc()
+    _after_failures(message, now)
+
+
+def _after_failures(message: Any, now: datetime) -> None:
     if message.attempt > 1:
         _child(SUCCEEDED_AFTER_RETRY, message.consumer, _type(message)).inc()
     if message.first_failed_at is not None:

@@ -248,9 +248,9 @@ class Completer(SlotBase):
     def _observe(self, done: list[Message], failures: list[Failure], now: datetime) -> None:
         """Metrics and log lines of a committed batch."""
         durations, self._durations = self._durations, {}
+        metrics.record_successes(done, now)
         debug = log.isEnabledFor(logging.DEBUG)
         for m in done:
-            metrics.record_success(m, now)
             if debug:
                 duration = durations.get(m.id)
                 log.debug(
