@@ -158,9 +158,9 @@ class Slot(ClaimLoop, Executor, Completer):
             error,
             extra={"event": "batch_split", "consumer": first.consumer, "messages": len(group)},
         )
-        for m in group:
-            if self.worker._aborting.is_set():
-                batch.unrun.extend(x for x in group[group.index(m) :])
+        for k, m in enumerate(group):
+            if self.worker._aborting.is_set() or self.worker.breaker.state is not BreakerState.CLOSED:
+                batch.unrun.extend(group[k:])  # given back untouched, as in _run_batch
                 return
             self._open_savepoint(batch)
             self._run_one(batch, m)
