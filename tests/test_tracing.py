@@ -61,8 +61,8 @@ def _headers(url: str, table: str, message_id: str) -> dict[str, object]:
     return headers
 
 
-def _run_worker(url: str, registry: Registry, until: str) -> None:
-    worker = Worker(url, registry, WorkerSettings(consumer="c", **FAST_WORKER))
+def _run_worker(url: str, registry: Registry, until: str, **settings: int) -> None:
+    worker = Worker(url, registry, WorkerSettings(consumer="c", **FAST_WORKER, **settings))
     worker.start()
     try:
         eventually(lambda: scalar(url, until), what=until)
@@ -213,13 +213,7 @@ def test_a_batch_handlers_call_is_one_span_linked_to_each_message_and_a_failed_c
         if len(calls) == 1:
             raise ConnectionError("the first call fails")
 
-    worker = Worker(url, registry, WorkerSettings(consumer="c", batch_size=10, **FAST_WORKER))
-    worker.start()
-    try:
-        eventually(lambda: scalar(url, DRAINED), what=DRAINED)
-    finally:
-        worker.stop()
-        worker.join()
+    _run_worker(url, registry, DRAINED, batch_size=10)
     assert calls == [3, 1, 1, 1]
     process = _named(exporter.get_finished_spans(), "process c")
     batch = [s for s in process if s.attributes.get("messaging.batch.message_count") == 3]

@@ -147,25 +147,26 @@ def once_per_run(b: Bench, sizes: dict[str, int]) -> None:
     b.record(report.LEDGER_EMPTY, "ms", empty)
     b.record(report.LEDGER_BIG, "ms", big)
     b.record(report.LEDGER_FILL, "s", took)
-    best, rss, _ = load.sustained(b, b.results[report.DRAIN].runs[-1], sizes["load_seconds"])
-    if best is not None:
-        b.record(report.SUSTAINED, "msg/s", best.achieved)
-        b.record(report.SUSTAINED_P99, "ms", best.p99)
-    else:
-        print("  ! no rate of the sustained-load ladder kept its backlog bounded with p99 < 100 ms")
-        b.record(report.SUSTAINED, "msg/s", 0.0)
-    b.record(report.SUSTAINED_RSS, "MB", rss)
+    drain = b.results[report.DRAIN].runs[-1]
+    names = (report.SUSTAINED, report.SUSTAINED_P99, report.SUSTAINED_RSS)
+    sustained(b, drain, sizes["load_seconds"], "registry", names)
     # The same ladder (the same rates) with a batch handler.
-    best, rss, _ = load.sustained(
-        b, b.results[report.DRAIN].runs[-1], sizes["load_seconds"], app="batch_registry"
-    )
+    names = (report.SUSTAINED_BATCH, report.SUSTAINED_BATCH_P99, report.SUSTAINED_BATCH_RSS)
+    sustained(b, drain, sizes["load_seconds"], "batch_registry", names)
+
+
+def sustained(b: Bench, drain: float, seconds: int, app: str, names: tuple[str, str, str]) -> None:
+    """The sustained-load ladder with the handlers ``app``: its best rate, that rate's p99 and the
+    workers' peak RSS, recorded under ``names``."""
+    best, rss, _ = load.sustained(b, drain, seconds, app=app)
+    rate, p99, peak = names
     if best is not None:
-        b.record(report.SUSTAINED_BATCH, "msg/s", best.achieved)
-        b.record(report.SUSTAINED_BATCH_P99, "ms", best.p99)
+        b.record(rate, "msg/s", best.achieved)
+        b.record(p99, "ms", best.p99)
     else:
-        print("  ! with a batch handler, no rate of the ladder kept its backlog bounded with p99 < 100 ms")
-        b.record(report.SUSTAINED_BATCH, "msg/s", 0.0)
-    b.record(report.SUSTAINED_BATCH_RSS, "MB", rss)
+        print(f"  ! {app}: no rate of the sustained-load ladder kept its backlog bounded with p99 < 100 ms")
+        b.record(rate, "msg/s", 0.0)
+    b.record(peak, "MB", rss)
 
 
 def peer_workloads(b: Bench, sizes: dict[str, int]) -> None:

@@ -276,17 +276,11 @@ class Registry:
         ``schema_versions`` lists the versions it understands (others are dead-lettered at once).
         """
 
+        options = {"idempotent": idempotent, "timeout": timeout, "retry": retry,
+                   "on_dead_letter": on_dead_letter, "schema_versions": schema_versions}  # fmt: skip
+
         def register(func: HandlerFunc) -> HandlerFunc:
-            self.add(
-                func,
-                consumer,
-                type,
-                idempotent=idempotent,
-                timeout=timeout,
-                retry=retry,
-                on_dead_letter=on_dead_letter,
-                schema_versions=schema_versions,
-            )
+            self.add(func, consumer, type, **options)  # type: ignore[arg-type]
             return func
 
         return register
@@ -312,18 +306,11 @@ class Registry:
         :meth:`handler`'s. A plain (not ``async``) function.
         """
 
+        options = {"idempotent": idempotent, "timeout": timeout, "retry": retry,
+                   "on_dead_letter": on_dead_letter, "schema_versions": schema_versions}  # fmt: skip
+
         def register(func: BatchHandlerFunc) -> BatchHandlerFunc:
-            self.add(
-                func,  # type: ignore[arg-type]
-                consumer,
-                type,
-                idempotent=idempotent,
-                timeout=timeout,
-                retry=retry,
-                on_dead_letter=on_dead_letter,
-                schema_versions=schema_versions,
-                batch=True,
-            )
+            self.add(func, consumer, type, batch=True, **options)  # type: ignore[arg-type]
             return func
 
         return register

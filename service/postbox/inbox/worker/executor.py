@@ -73,19 +73,7 @@ class Executor(SlotBase):
         timeout = self._arm(spec)
         ctx = BatchContext(messages, self.conn, self._session_factory)
         func: Callable[[list[Message], BatchContext], Any] = spec.func  # type: ignore[assignment]
-
-        def call() -> Any:
-            result = func(list(messages), ctx)
-            if inspect.isawaitable(result):  # a sync function returning an awaitable
-                result = self._event_loop().run_until_complete(asyncio.wait_for(_awaitable(result), timeout))
-            ctx._close_session()
-            return result
-
-        def close() -> None:
-            if ctx._session is not None:
-                ctx._session.close()
-
-        outcome = self._guarded(call, close, [self.conn], timeout)
+        outcome = self._call_sync(lambda: func(list(messages), ctx), ctx, timeout)
         if self.abandoned:
             raise Abandoned
         return outcome
@@ -103,9 +91,16 @@ class Executor(SlotBase):
     def _run_sync(self, spec: HandlerSpec, message: Message, timeout: float) -> BaseException | None:
         assert self.conn is not None
         ctx = Context(message, self.conn, self._session_factory)
+        return self._call_sync(lambda: spec.func(message, ctx), ctx, timeout)
+
+    def _call_sync(
+        self, invoke: Callable[[], Any], ctx: Context | BatchContext, timeout: float
+    ) -> BaseException | None:
+        """Run a sync handler (``invoke`` calls it with its context ``ctx``), guarded; its outcome."""
+        assert self.conn is not None
 
         def call() -> Any:
-            result = spec.func(message, ctx)
+            result = invoke()
             if inspect.isawaitable(result):  # a sync function returning an awaitable
                 result = self._event_loop().run_until_complete(asyncio.wait_for(_awaitable(result), timeout))
             ctx._close_session()
