@@ -4,6 +4,8 @@ that fails is retried or dead-lettered."""
 
 from __future__ import annotations
 
+import asyncio
+
 import psycopg
 import pytest
 
@@ -217,11 +219,48 @@ def test_messages_of_other_types_and_unsupported_versions_run_on_their_own(db):
     assert published == [("o1", "o1"), ("o2", "o2"), ("o4", "o4")]
 
 
-def test_an_async_batch_handler_is_refused_at_registration():
+def test_an_async_batch_handler_writes_and_publishes_in_the_calls_transaction(db):
+    """An ``async def`` batch handler gets an AsyncBatchContext: its writes through the async
+    connection and its awaited publishes commit with the done marks; a failing call splits."""
     reg = Registry()
 
-    async def handle(messages, ctx):  # pragma: no cover - never called
-        pass
+    @reg.batch_handler("c")
+    async def handle(messages, ctx):
+        await ctx.conn.execute(
+            "INSERT INTO calls (size, ids) VALUES (%s, %s)", (len(messages), [m.message_id for m in messages])
+        )
+        for m in messages:
+            if m.payload.get("poison"):
+                raise Permanent(f"{m.message_id} cannot be handled")
+            await ctx.publish(m, "shipping", {"for": m.message_id})
 
-    with pytest.raises(ValueError, match="batch handlers are plain functions"):
-        reg.batch_handler("c")(handle)
+    produce(db.url, [{"message_id": "a"}, {"message_id": "b"}, {"message_id": "c"}])
+    run_until_settled(db.url, reg, batch_size=10)
+    assert calls(db.url) == [(3, ["a", "b", "c"])]
+    produce(db.url, [{"message_id": "d"}, {"message_id": "bad", "payload": {"poison": 1}}])
+    run_until_settled(db.url, reg, batch_size=10)
+    assert calls(db.url) == [(3, ["a", "b", "c"]), (1, ["d"])]  # the failed calls' rows were undone
+    with psycopg.connect(db.url) as c:
+        published = c.execute(
+            "SELECT payload->>'for', causation_id FROM postbox.outbox ORDER BY id"
+        ).fetchall()
+    assert published == [("a", "a"), ("b", "b"), ("c", "c"), ("d", "d")]
+    assert dead(db.url) == {"bad": ("permanent", "Permanent", 1)}
+
+
+def test_an_async_batch_call_past_its_time_limit_is_cancelled_and_only_the_slow_message_fails(db):
+    reg = Registry()
+
+    @reg.batch_handler("c", timeout=0.5, retry=RetryPolicy(max_attempts=1))
+    async def handle(messages, ctx):
+        for m in messages:
+            if m.payload.get("slow"):
+                await asyncio.sleep(30)
+            await ctx.conn.execute("INSERT INTO calls (size, ids) VALUES (1, %s)", ([m.message_id],))
+
+    produce(
+        db.url, [{"message_id": "a"}, {"message_id": "slow", "payload": {"slow": 1}}, {"message_id": "b"}]
+    )
+    run_until_settled(db.url, reg, batch_size=10)
+    assert sorted(ids[0] for _, ids in calls(db.url)) == ["a", "b"]
+    assert dead(db.url) == {"slow": ("attempts_exhausted", "HandlerTimeout", 1)}

@@ -21,7 +21,7 @@ from postbox.errors import ConfigError, InvalidMessage, InvalidRequest, PostboxE
 from postbox.failures.outcomes import Permanent, Retry, Transient, UnknownOutcome
 from postbox.inbox.connection import HandlerEndedTransaction
 from postbox.inbox.consumers import declare_consumer
-from postbox.inbox.handlers import AsyncContext, BatchContext, Context, Message, Registry
+from postbox.inbox.handlers import AsyncBatchContext, AsyncContext, BatchContext, Context, Message, Registry
 from postbox.inbox.receive import receive, receive_async, receive_many, receive_many_async
 from postbox.inbox.worker import Worker, WorkerSettings
 from postbox.messages import InboxMessage, OutboxMessage, ReceiveResult, ReceiveStatus
@@ -29,6 +29,7 @@ from postbox.outbox.publish import publish, publish_async, publish_many, publish
 from postbox.outbox.relay import Relay, RelaySettings
 
 __all__ = [
+    "AsyncBatchContext",
     "AsyncContext",
     "BatchContext",
     "ConfigError",

@@ -10,7 +10,8 @@ transaction.
 
 A *batch* handler (:meth:`Registry.batch_handler`) is called as ``handler(messages, ctx)`` with
 the messages of a claimed batch that it handles (each the head of its key, so they never depend on
-one another's order) and a :class:`BatchContext`: one call and one statement can do the work of
+one another's order) and a :class:`BatchContext` (an :class:`AsyncBatchContext` for an ``async
+def``): one call and one statement can do the work of
 many messages. Their effects and their "done" marks commit together. If the call fails, its
 effects are rolled back and the messages are run again one at a time (``handler([message],
 ctx)``), so that only the message that fails is retried or dead-lettered.
@@ -19,7 +20,6 @@ ctx)``), so that only the message that fails is retried or dead-lettered.
 from __future__ import annotations
 
 import hashlib
-import inspect
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -36,6 +36,7 @@ from postbox.messages import OutboxMessage
 from postbox.operations.tracing import child_headers
 
 __all__ = [
+    "AsyncBatchContext",
     "AsyncContext",
     "BatchContext",
     "BatchHandlerFunc",
@@ -73,8 +74,9 @@ class Message(BaseModel):
 
 # Called as handler(message, ctx): ctx is a Context, or an AsyncContext for an ``async def`` handler.
 HandlerFunc = Callable[[Message, Any], Any | Awaitable[Any]]
-# Called as handler(messages, ctx): a batch handler, with a BatchContext.
-BatchHandlerFunc = Callable[[list[Message], "BatchContext"], Any]
+# Called as handler(messages, ctx): a batch handler, with a BatchContext (an AsyncBatchContext for
+# an ``async def`` one).
+BatchHandlerFunc = Callable[[list[Message], Any], Any | Awaitable[Any]]
 
 
 def idempotency_key_for(message: Message, operation: str = "") -> str:
@@ -119,7 +121,55 @@ class _AttemptContext:
         return _derived(self.message, destination, payload, fields)
 
 
-class Context(_AttemptContext):
+class _SyncSession:
+    """The SQLAlchemy ``Session`` of a sync handler's context: opened on first use, on the same
+    connection and transaction as ``conn``."""
+
+    _session_factory: Callable[[], Session]
+    _session: Session | None
+
+    @property
+    def session(self) -> Session:
+        """A SQLAlchemy ``Session`` on the same connection and transaction as ``conn``."""
+        if self._session is None:
+            self._session = self._session_factory()
+        return self._session
+
+    def _close_session(self) -> None:
+        """After the handler returned: its session's work joins the transaction (the session's
+        commit releases its savepoint; the worker commits the transaction)."""
+        if self._session is not None:
+            self._session.commit()
+            self._session.close()
+            self._session = None
+
+
+class _AsyncSession:
+    """The SQLAlchemy ``AsyncSession`` of an async handler's context, opened by the worker before
+    the handler runs, on the same connection and transaction as ``conn``."""
+
+    _session_factory: Callable[[], Awaitable[AsyncSession]]
+    _session: AsyncSession | None
+
+    @property
+    def session(self) -> AsyncSession:
+        """An SQLAlchemy ``AsyncSession`` on the same connection and transaction as ``conn``."""
+        if self._session is None:
+            raise RuntimeError("postbox: the async session is opened by the worker before the handler runs")
+        return self._session
+
+    async def _open_session(self) -> None:
+        self._session = await self._session_factory()
+
+    async def _close_session(self) -> None:
+        """After the handler returned: its session's work joins the transaction."""
+        if self._session is not None:
+            await self._session.commit()
+            await self._session.close()
+            self._session = None
+
+
+class Context(_AttemptContext, _SyncSession):
     """What a handler may use during one attempt. Valid only while the handler runs."""
 
     def __init__(
@@ -131,14 +181,7 @@ class Context(_AttemptContext):
         super().__init__(message)
         self.conn = conn
         self._session_factory = session_factory
-        self._session: Session | None = None
-
-    @property
-    def session(self) -> Session:
-        """A SQLAlchemy ``Session`` on the same connection and transaction as ``conn``."""
-        if self._session is None:
-            self._session = self._session_factory()
-        return self._session
+        self._session = None
 
     def publish(self, destination: str, payload: Any, **fields: Any) -> int:
         """Write an outbox event in this transaction; correlation and causation follow this message."""
@@ -146,16 +189,19 @@ class Context(_AttemptContext):
 
         return publish(self.conn, self._outbox_message(destination, payload, fields))
 
-    def _close_session(self) -> None:
-        """After the handler returned: its session's work joins the message's transaction (the
-        session's commit releases its savepoint; the worker commits the transaction)."""
-        if self._session is not None:
-            self._session.commit()
-            self._session.close()
-            self._session = None
+
+class _BatchAttempt:
+    """What every batch handler's context has: the messages and their idempotency keys."""
+
+    def __init__(self, messages: list[Message]) -> None:
+        self.messages = messages
+
+    def idempotency_key(self, message: Message, operation: str = "") -> str:
+        """``message``'s idempotency key (per ``operation``), as :attr:`Context.idempotency_key`."""
+        return idempotency_key_for(message, operation)
 
 
-class BatchContext:
+class BatchContext(_BatchAttempt, _SyncSession):
     """What a batch handler may use during one call: the messages, the connection and session of
     their transaction, and a publish that derives from one of them. Valid only while it runs."""
 
@@ -165,21 +211,10 @@ class BatchContext:
         conn: psycopg.Connection[Any],
         session_factory: Callable[[], Session],
     ):
-        self.messages = messages
+        super().__init__(messages)
         self.conn = conn
         self._session_factory = session_factory
-        self._session: Session | None = None
-
-    @property
-    def session(self) -> Session:
-        """A SQLAlchemy ``Session`` on the same connection and transaction as ``conn``."""
-        if self._session is None:
-            self._session = self._session_factory()
-        return self._session
-
-    def idempotency_key(self, message: Message, operation: str = "") -> str:
-        """``message``'s idempotency key (per ``operation``), as :attr:`Context.idempotency_key`."""
-        return idempotency_key_for(message, operation)
+        self._session = None
 
     def publish(self, message: Message, destination: str, payload: Any, **fields: Any) -> int:
         """Write an outbox event in this transaction, derived from ``message`` (one of this call's):
@@ -188,15 +223,8 @@ class BatchContext:
 
         return publish(self.conn, _derived(message, destination, payload, fields))
 
-    def _close_session(self) -> None:
-        """After the handler returned: its session's work joins the batch's transaction."""
-        if self._session is not None:
-            self._session.commit()
-            self._session.close()
-            self._session = None
 
-
-class AsyncContext(_AttemptContext):
+class AsyncContext(_AttemptContext, _AsyncSession):
     """An ``async def`` handler's context: ``conn`` is a ``psycopg.AsyncConnection`` and ``session``
     an SQLAlchemy ``AsyncSession``, both in the message's transaction (its savepoint), under the same
     rules as a sync handler's. Valid only while the handler runs."""
@@ -210,14 +238,7 @@ class AsyncContext(_AttemptContext):
         super().__init__(message)
         self.conn = conn
         self._session_factory = session_factory
-        self._session: AsyncSession | None = None
-
-    @property
-    def session(self) -> AsyncSession:
-        """An SQLAlchemy ``AsyncSession`` on the same connection and transaction as ``conn``."""
-        if self._session is None:
-            raise RuntimeError("postbox: the async session is opened by the worker before the handler runs")
-        return self._session
+        self._session = None
 
     async def publish(self, destination: str, payload: Any, **fields: Any) -> int:
         """Write an outbox event in this transaction; correlation and causation follow this message."""
@@ -225,15 +246,28 @@ class AsyncContext(_AttemptContext):
 
         return await publish_async(self.conn, self._outbox_message(destination, payload, fields))
 
-    async def _open_session(self) -> None:
-        self._session = await self._session_factory()
 
-    async def _close_session(self) -> None:
-        """After the handler returned: its session's work joins the message's transaction."""
-        if self._session is not None:
-            await self._session.commit()
-            await self._session.close()
-            self._session = None
+class AsyncBatchContext(_BatchAttempt, _AsyncSession):
+    """An ``async def`` batch handler's context: :class:`BatchContext` with a
+    ``psycopg.AsyncConnection``, an SQLAlchemy ``AsyncSession`` and an awaited ``publish``, in the
+    call's transaction. Valid only while the handler runs."""
+
+    def __init__(
+        self,
+        messages: list[Message],
+        conn: psycopg.AsyncConnection[Any],
+        session_factory: Callable[[], Awaitable[AsyncSession]],
+    ):
+        super().__init__(messages)
+        self.conn = conn
+        self._session_factory = session_factory
+        self._session = None
+
+    async def publish(self, message: Message, destination: str, payload: Any, **fields: Any) -> int:
+        """Write an outbox event in this transaction, derived from ``message`` (one of this call's)."""
+        from postbox.outbox.publish import publish_async
+
+        return await publish_async(self.conn, _derived(message, destination, payload, fields))
 
 
 @dataclass(frozen=True)
@@ -303,7 +337,7 @@ class Registry:
         message is run again alone (``func([message], ctx)``), so only the one that fails is retried
         or dead-lettered; anything it does outside the database must therefore be idempotent
         (``ctx.idempotency_key(message)``). ``timeout`` bounds one call. The other options are
-        :meth:`handler`'s. A plain (not ``async``) function.
+        :meth:`handler`'s. An ``async def`` gets an :class:`AsyncBatchContext`.
         """
 
         options = {"idempotent": idempotent, "timeout": timeout, "retry": retry,
@@ -334,11 +368,6 @@ class Registry:
             raise ValueError("postbox: on_dead_letter must be block, skip or halt")
         if timeout is not None and timeout <= 0:
             raise ValueError("postbox: timeout must be positive")
-        if batch and inspect.iscoroutinefunction(func):
-            raise ValueError(
-                f"postbox: the batch handler for consumer {consumer!r} type {type!r} is async: batch handlers "
-                "are plain functions (register an async function per message with Registry.handler)"
-            )
         versions = frozenset(schema_versions) if schema_versions is not None else None
         self.handlers[(consumer, type)] = HandlerSpec(
             func, consumer, type, idempotent, timeout, retry, on_dead_letter, versions, batch

@@ -24,7 +24,14 @@ import psycopg
 
 from postbox.failures.outcomes import Permanent
 from postbox.inbox.connection import AsyncHandlerConnection, HandlerConnection, HandlerEndedTransaction
-from postbox.inbox.handlers import AsyncContext, BatchContext, Context, HandlerFunc, HandlerSpec, Message
+from postbox.inbox.handlers import (
+    AsyncBatchContext,
+    AsyncContext,
+    BatchContext,
+    Context,
+    HandlerSpec,
+    Message,
+)
 from postbox.inbox.worker.base import SlotBase
 from postbox.inbox.worker.settings import (
     ABANDON_AFTER,
@@ -71,9 +78,13 @@ class Executor(SlotBase):
         the error it raised (or returned), or None on success."""
         assert self.conn is not None
         timeout = self._arm(spec)
-        ctx = BatchContext(messages, self.conn, self._session_factory)
-        func: Callable[[list[Message], BatchContext], Any] = spec.func  # type: ignore[assignment]
-        outcome = self._call_sync(lambda: func(list(messages), ctx), ctx, timeout)
+        func = spec.func
+        if self.aconn is not None and inspect.iscoroutinefunction(func):
+            actx = AsyncBatchContext(messages, self.aconn, self._async_session_factory)
+            outcome = self._call_async(lambda: func(list(messages), actx), actx, timeout)  # type: ignore[arg-type]
+        else:
+            ctx = BatchContext(messages, self.conn, self._session_factory)
+            outcome = self._call_sync(lambda: func(list(messages), ctx), ctx, timeout)  # type: ignore[arg-type]
         if self.abandoned:
             raise Abandoned
         return outcome
@@ -113,13 +124,21 @@ class Executor(SlotBase):
         return self._guarded(call, close, [self.conn], timeout)
 
     def _run_async(self, spec: HandlerSpec, message: Message, timeout: float) -> BaseException | None:
-        assert self.conn is not None
         assert self.aconn is not None
         ctx = AsyncContext(message, self.aconn, self._async_session_factory)
+        return self._call_async(lambda: spec.func(message, ctx), ctx, timeout)
+
+    def _call_async(
+        self, invoke: Callable[[], Any], ctx: AsyncContext | AsyncBatchContext, timeout: float
+    ) -> BaseException | None:
+        """Run an async handler (``invoke`` makes its coroutine, with its context ``ctx``) on the
+        slot's loop, guarded; its outcome."""
+        assert self.conn is not None
+        assert self.aconn is not None
         loop = self._event_loop()
 
         def call() -> Any:
-            return loop.run_until_complete(asyncio.wait_for(_attempt(spec.func, message, ctx), timeout))
+            return loop.run_until_complete(asyncio.wait_for(_attempt(invoke, ctx), timeout))
 
         def close() -> None:
             if ctx._session is not None:
@@ -251,11 +270,11 @@ async def _awaitable(value: Any) -> Any:
         return error
 
 
-async def _attempt(func: HandlerFunc, message: Message, ctx: AsyncContext) -> Any:
+async def _attempt(invoke: Callable[[], Any], ctx: AsyncContext | AsyncBatchContext) -> Any:
     """An async handler's attempt: its session opened before and flushed after it, in its time."""
     try:
         await ctx._open_session()
-        result = await func(message, ctx)
+        result = await invoke()
         await ctx._close_session()
         return result
     except (SystemExit, KeyboardInterrupt) as error:  # see _awaitable
