@@ -35,7 +35,9 @@ def start(url, registry, **kw):
 
 
 def run_until_settled(url, registry, **kw):
-    w = start(url, registry, **kw)
+    """Run a worker until the inbox is settled; one slot unless ``concurrency`` is given (two slots
+    would split the messages of a call between their claims)."""
+    w = start(url, registry, **{"concurrency": 1, **kw})
     try:
         eventually(
             lambda: scalar(url, "SELECT count(*) = 0 FROM postbox.inbox WHERE state <> 'blocked'"),

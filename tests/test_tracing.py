@@ -213,7 +213,7 @@ def test_a_batch_handlers_call_is_one_span_linked_to_each_message_and_a_failed_c
         if len(calls) == 1:
             raise ConnectionError("the first call fails")
 
-    _run_worker(url, registry, DRAINED, batch_size=10)
+    _run_worker(url, registry, DRAINED, batch_size=10, concurrency=1)  # one claim takes all three
     assert calls == [3, 1, 1, 1]
     process = _named(exporter.get_finished_spans(), "process c")
     batch = [s for s in process if s.attributes.get("messaging.batch.message_count") == 3]
