@@ -23,9 +23,6 @@ SELECT postbox.worker_unregister_v1(:id);
 -- name: worker_savepoint
 BEGIN; SAVEPOINT postbox_m;
 
--- name: worker_savepoint_only
-SAVEPOINT postbox_m;
-
 -- name: worker_savepoint_rollback
 ROLLBACK TO SAVEPOINT postbox_m;
 

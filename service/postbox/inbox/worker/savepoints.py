@@ -14,7 +14,7 @@ from typing import Any
 import psycopg
 
 from postbox.db import query
-from postbox.db.connector import run, send_raw
+from postbox.db.connector import send_raw
 from postbox.inbox.handlers import Message
 from postbox.inbox.worker.batch import Batch
 from postbox.inbox.worker.settings import TransactionEnded
@@ -29,15 +29,7 @@ def begin(conn: psycopg.Connection[Any]) -> None:
     """Begin the batch's transaction and its first savepoint, in one round trip (psycopg would
     send its ``BEGIN`` on its own first). psycopg reads the transaction's state from the server's
     connection, so it sees the transaction as open, as if it had begun it."""
-    if conn.info.transaction_status is not psycopg.pq.TransactionStatus.IDLE:
-        run(conn, query("worker_savepoint_only"), {})  # a transaction is open already
-        return
-    result = send_raw(conn, query("worker_savepoint"))
-    if result.status != psycopg.pq.ExecStatus.COMMAND_OK:
-        if conn.pgconn.status != psycopg.pq.ConnStatus.OK:
-            raise psycopg.OperationalError(conn.pgconn.error_message.decode(errors="replace"))
-        message = (result.error_message or b"BEGIN failed").decode(errors="replace")
-        raise psycopg.DatabaseError(message)
+    _checked(conn, send_raw(conn, query("worker_savepoint")))
 
 
 def next_savepoint(conn: psycopg.Connection[Any], batch: Batch) -> None:
@@ -71,13 +63,22 @@ def _command(conn: psycopg.Connection[Any], name: str, culprit: Message) -> str 
     if result.status == psycopg.pq.ExecStatus.TUPLES_OK:
         value = result.get_value(0, 0) if result.ntuples else None
         return value.decode() if value is not None else None
-    if result.status != psycopg.pq.ExecStatus.COMMAND_OK:
-        if conn.pgconn.status != psycopg.pq.ConnStatus.OK:
-            raise psycopg.OperationalError(conn.pgconn.error_message.decode(errors="replace"))
-        sqlstate = result.error_field(psycopg.pq.DiagnosticField.SQLSTATE)
-        code = sqlstate.decode() if sqlstate else ""
-        if code in _ENDED:
-            raise TransactionEnded(culprit)
-        message = (result.error_message or b"savepoint failed").decode(errors="replace")
-        raise psycopg.errors.lookup(code)(message) if code else psycopg.DatabaseError(message)
+    _checked(conn, result, culprit)
     return None
+
+
+def _checked(
+    conn: psycopg.Connection[Any], result: psycopg.pq.abc.PGresult, culprit: Message | None = None
+) -> None:
+    """Raise what a failed savepoint command means: a lost connection, ``TransactionEnded`` for a
+    transaction found gone (when there is a ``culprit``), else the error as psycopg would raise it."""
+    if result.status in (psycopg.pq.ExecStatus.COMMAND_OK, psycopg.pq.ExecStatus.TUPLES_OK):
+        return
+    if conn.pgconn.status != psycopg.pq.ConnStatus.OK:
+        raise psycopg.OperationalError(conn.pgconn.error_message.decode(errors="replace"))
+    sqlstate = result.error_field(psycopg.pq.DiagnosticField.SQLSTATE)
+    code = sqlstate.decode() if sqlstate else ""
+    if culprit is not None and code in _ENDED:
+        raise TransactionEnded(culprit)
+    message = (result.error_message or b"savepoint failed").decode(errors="replace")
+    raise psycopg.errors.lookup(code)(message) if code else psycopg.DatabaseError(message)
