@@ -110,6 +110,57 @@ def test_a_batch_handler_gets_a_claimed_batch_in_one_call_and_keeps_every_keys_o
     assert sum(sizes) == 200 and max(sizes) <= 5 and max(sizes) > 1
 
 
+def test_a_batch_handlers_messages_are_counted_in_the_metrics_one_by_one(db):
+    """A call counts each of its messages: claimed (by attempt), started, timed and processed; a
+    retried message's second delivery counts as a redelivery."""
+    from postbox.operations.metrics import REGISTRY
+
+    def sample(name, **labels):
+        return REGISTRY.get_sample_value(name, {"consumer": "metered", **labels}) or 0.0
+
+    names = [
+        ("postbox_deliveries_total", {"attempt": "1"}),
+        ("postbox_deliveries_total", {"attempt": "2"}),
+        ("postbox_redeliveries_total", {}),
+        ("postbox_messages_processed_total", {"type": "t"}),
+        ("postbox_handler_duration_seconds_count", {"type": "t"}),
+        ("postbox_receive_to_start_seconds_count", {}),
+    ]
+    before = [sample(n, **labels) for n, labels in names]
+    reg = Registry()
+    failures = []
+
+    @reg.batch_handler("metered", "t", retry=RetryPolicy(strategy=Backoff.FIXED, base_delay=0.01, max_attempts=3))
+    def handle(messages, ctx):
+        record_call(ctx, messages)
+        for m in messages:
+            if m.message_id == "m3" and len(failures) < 2:  # in the call, then alone
+                failures.append(m.attempt)
+                raise Retry(after=0.01, reason="twice")
+
+    with psycopg.connect(db.url) as c:
+        postbox.receive_many(
+            c, [{"consumer": "metered", "type": "t", "message_id": f"m{i}", "payload": {}} for i in range(8)]
+        )
+        c.commit()
+    w = Worker(db.url, reg, WorkerSettings(consumer="metered", **{**FAST, "concurrency": 1}))
+    w.start()
+    try:
+        eventually(lambda: scalar(db.url, "SELECT count(*) = 0 FROM postbox.inbox"), what="inbox settled")
+    finally:
+        w.stop()
+        w.join()
+    after = [sample(n, **labels) for n, labels in names]
+    deltas = [a - b for a, b in zip(after, before, strict=True)]
+    # 8 first deliveries, m3 delivered again, 8 processed; handler time: the call of 8, then each
+    # of them alone in the split, then m3's retry; a start for each first attempt, in the call and
+    # alone.
+    assert failures == [1, 1]
+    assert deltas[:4] == [8, 1, 1, 8]
+    assert deltas[4] == 8 + 8 + 1
+    assert deltas[5] == 8 + 8
+
+
 def test_a_failing_message_is_run_alone_and_only_it_is_dead_lettered(db):
     """The call with the poisoned message fails: its effects are undone, and each of its messages is
     run again alone. The others are done at attempt 1, once each; the poisoned one is dead-lettered

@@ -96,13 +96,13 @@ class CircuitBreaker:
         self._attempts = self._failed = 0
         self._failing_keys.clear()
 
-    def _count(self, now: float, transient_failure: bool, key: str) -> None:
+    def _count(self, now: float, transient_failure: bool, key: str, attempts: int = 1) -> None:
         number = int(now // self._resolution)
         if not self._buckets or self._buckets[-1].number != number:
             self._buckets.append(_Bucket(number))
         last = self._buckets[-1]
-        last.attempts += 1
-        self._attempts += 1
+        last.attempts += attempts
+        self._attempts += attempts
         if transient_failure:
             last.failed += 1
             self._failed += 1
@@ -133,6 +133,25 @@ class CircuitBreaker:
                     self._clear()
                 return self.state
             self._count(now, transient_failure, key)
+            self._trim(now)
+            if self.state is BreakerState.CLOSED and self._outage():
+                self._open(now)
+            return self.state
+
+    def record_successes(self, n: int) -> BreakerState:
+        """Record ``n`` attempts that succeeded (a batch handler's call): as ``n`` calls of
+        :meth:`record` without a failure, under one lock."""
+        if not self.settings.enabled or n <= 0:
+            return self.state
+        with self._lock:
+            if self.state is BreakerState.HALF_OPEN:
+                self.state = BreakerState.CLOSED
+                self._clear()
+                n -= 1  # the probe's success closed the circuit; the others count from there
+                if n == 0:
+                    return self.state
+            now = self._clock()
+            self._count(now, False, "", n)
             self._trim(now)
             if self.state is BreakerState.CLOSED and self._outage():
                 self._open(now)

@@ -44,7 +44,9 @@ __all__ = [
     "record_claim",
     "record_failure",
     "record_handler",
+    "record_handlers",
     "record_start",
+    "record_starts",
     "record_success",
     "record_successes",
 ]
@@ -212,11 +214,23 @@ def _attempt_label(attempt: int) -> str:
 
 
 def record_claim(consumer: str, messages: Sequence[Any], seconds: float) -> None:
+    """A claim of ``messages``: its time, and the deliveries counted once per attempt label."""
     _child(CLAIM_SECONDS, consumer).observe(seconds)
+    if not messages:
+        return
+    labels: dict[str, int] = {}
+    redelivered = 0
     for m in messages:
-        _child(DELIVERIES, consumer, _attempt_label(m.attempt)).inc()
-        if m.attempt > 1:
-            _child(REDELIVERIES, consumer).inc()
+        if m.attempt == 1:
+            labels["1"] = labels.get("1", 0) + 1
+        else:
+            label = _attempt_label(m.attempt)
+            labels[label] = labels.get(label, 0) + 1
+            redelivered += m.attempt > 1
+    for label, n in labels.items():
+        _child(DELIVERIES, consumer, label).inc(n)
+    if redelivered:
+        _child(REDELIVERIES, consumer).inc(redelivered)
 
 
 def record_start(message: Any, now: datetime) -> None:
@@ -228,6 +242,31 @@ def record_start(message: Any, now: datetime) -> None:
 
 def record_handler(message: Any, seconds: float) -> None:
     _child(HANDLER_SECONDS, message.consumer, _type(message)).observe(seconds)
+
+
+def record_starts(messages: Sequence[Any], now: datetime) -> None:
+    """:func:`record_start` for each of ``messages`` (a batch handler's call), the label lookup
+    once per consumer."""
+    consumer: str | None = None
+    lag: Any = None
+    for m in messages:
+        if m.attempt == 1:
+            if m.consumer != consumer:
+                consumer = m.consumer
+                lag = _child(START_LAG_SECONDS, consumer)
+            lag.observe(max(0.0, (now - m.received_at).total_seconds()))
+
+
+def record_handlers(messages: Sequence[Any], seconds: float) -> None:
+    """:func:`record_handler` for each of ``messages`` with the same ``seconds`` (each message's
+    share of a batch handler's call), the label lookup once per consumer and type."""
+    labels: tuple[str, str] | None = None
+    handler: Any = None
+    for m in messages:
+        if (m.consumer, _type(m)) != labels:
+            labels = (m.consumer, _type(m))
+            handler = _child(HANDLER_SECONDS, *labels)
+        handler.observe(seconds)
 
 
 def record_successes(messages: Sequence[Any], now: datetime) -> None:

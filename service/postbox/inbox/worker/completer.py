@@ -66,10 +66,17 @@ class Completer(SlotBase):
         failures = [*batch.failures, self._failure(culprit, error)]
         self._finish(done, failures, give_back)
 
-    def _breaker_record(self, transient_failure: bool, key: str) -> None:
+    def _breaker_record(self, transient_failure: bool, key: str, successes: int = 1) -> None:
+        """Record an attempt's outcome in the breaker (or ``successes`` attempts that succeeded, a
+        batch handler's call) and log a change of its state."""
         breaker = self.worker.breaker
         before = breaker.state
-        after = breaker.record(transient_failure, key)
+        if transient_failure:
+            after = breaker.record(True, key)
+        elif successes == 1:
+            after = breaker.record(False, key)
+        else:
+            after = breaker.record_successes(successes)
         if after is not before:
             metrics.record_breaker(self.settings.consumer, after.value)
             level = logging.WARNING if after is BreakerState.OPEN else logging.INFO

@@ -129,9 +129,7 @@ class Slot(ClaimLoop, Executor, Completer):
         first = group[0]
         batch.in_flight = first
         with tracing.processing_batch(group) as span:
-            now = self.worker.clock.now()
-            for m in group:
-                metrics.record_start(m, now)
+            metrics.record_starts(group, self.worker.clock.now())
             started = time.monotonic()
             error = self._run_batch_handler(spec, group)
             duration_ms = (time.monotonic() - started) * 1000.0
@@ -139,13 +137,11 @@ class Slot(ClaimLoop, Executor, Completer):
             error = self._after_handler(first, error)
             batch.in_flight = None
             share = duration_ms / len(group)
-            for m in group:
-                metrics.record_handler(m, share / 1000.0)
-                self._durations[m.id] = share
+            metrics.record_handlers(group, share / 1000.0)
+            self._durations.update(dict.fromkeys([m.id for m in group], share))
             if error is None:
                 batch.done.extend(group)
-                for m in group:
-                    self._breaker_record(False, m.key)
+                self._breaker_record(False, first.key, successes=len(group))
                 tracing.decided(span, "done")
                 return
             savepoints.roll_back(self.conn, first)
