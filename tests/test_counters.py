@@ -22,7 +22,7 @@ def _samples(registry: CollectorRegistry, name: str) -> dict[tuple[str, tuple[tu
     [
         [0.0, 0.005, 0.0051, 0.1, 0.1, 2.5, 9.99, 10.0, 11.0, 1e9, -1.0],  # on, between and past the bounds
         [0.25] * 50,  # a call's share, the same for each of its messages
-        [3.0],
+        [3.0, float("nan")],
         [],
     ],
 )
@@ -36,4 +36,4 @@ def test_observe_many_is_observe_for_each_value(values):
     expected, got = _samples(one_by_one, "h"), _samples(at_once, "h")
     assert got.keys() == expected.keys()
     for key, value in expected.items():
-        assert got[key] == pytest.approx(value), key
+        assert got[key] == pytest.approx(value, nan_ok=True), key

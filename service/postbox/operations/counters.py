@@ -261,7 +261,7 @@ def observe_many(histogram: Any, values: Sequence[float]) -> None:
         return
     counts: dict[int, int] = {}
     for v in values:
-        if v != v:  # NaN: in no bucket, as observe() has it
+        if math.isnan(v):  # in no bucket, as observe() has it
             continue
         i = bisect_left(bounds, v)  # the first bucket whose bound is >= v (the last is +Inf)
         counts[i] = counts.get(i, 0) + 1
