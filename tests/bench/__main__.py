@@ -27,7 +27,7 @@ REPO = Path(__file__).resolve().parents[2]
 RESULTS = REPO / "bench-results"
 
 FULL_SIZES = {
-    "single": 2000,
+    "single": 5000,
     "batch": 50000,
     "drain": 20000,
     "drain_sql": 400000,
