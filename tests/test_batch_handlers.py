@@ -130,7 +130,9 @@ def test_a_batch_handlers_messages_are_counted_in_the_metrics_one_by_one(db):
     reg = Registry()
     failures = []
 
-    @reg.batch_handler("metered", "t", retry=RetryPolicy(strategy=Backoff.FIXED, base_delay=0.01, max_attempts=3))
+    @reg.batch_handler(
+        "metered", "t", retry=RetryPolicy(strategy=Backoff.FIXED, base_delay=0.01, max_attempts=3)
+    )
     def handle(messages, ctx):
         record_call(ctx, messages)
         for m in messages:

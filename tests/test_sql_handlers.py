@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from types import SimpleNamespace
 
 import psycopg
 import pytest
@@ -36,6 +37,44 @@ END
 $$;
 """
 
+# The same handler as a batch function: each message in the call's order, as the one above would
+# handle it; an injected failure fails the whole call (then each message runs alone).
+CHECKER_BATCH_FUNCTION = """
+CREATE OR REPLACE FUNCTION chk.handle_batch(messages jsonb, contexts jsonb) RETURNS void LANGUAGE plpgsql AS $$
+DECLARE
+    message jsonb;
+    context jsonb;
+BEGIN
+    FOR message, context IN
+        SELECT m.value, c.value
+          FROM jsonb_array_elements(messages) WITH ORDINALITY AS m(value, n)
+          JOIN jsonb_array_elements(contexts) WITH ORDINALITY AS c(value, n) USING (n)
+         ORDER BY n
+    LOOP
+        PERFORM chk.handle(message, context);
+    END LOOP;
+END
+$$;
+"""
+
+# A batch function that records its calls (a failed call's row rolls back with it).
+BATCH_OUTCOMES_FUNCTION = """
+CREATE OR REPLACE FUNCTION public.batch_outcomes(messages jsonb, contexts jsonb) RETURNS void
+LANGUAGE plpgsql AS $$
+BEGIN
+    INSERT INTO calls (size, ids)
+    VALUES (jsonb_array_length(messages), ARRAY(SELECT m ->> 'message_id' FROM jsonb_array_elements(messages) m));
+    IF EXISTS (SELECT 1 FROM jsonb_array_elements(messages) m WHERE m -> 'payload' ->> 'mode' = 'permanent') THEN
+        RAISE EXCEPTION 'amount is missing' USING ERRCODE = 'PB002';
+    END IF;
+    INSERT INTO effects (message_id, key, attempt)
+    SELECT m ->> 'message_id', c ->> 'idempotency_key', (c ->> 'attempt')::int
+      FROM jsonb_array_elements(messages) WITH ORDINALITY AS e(m, n)
+      JOIN jsonb_array_elements(contexts) WITH ORDINALITY AS f(c, n) USING (n);
+END
+$$;
+"""
+
 OUTCOMES_FUNCTION = """
 CREATE OR REPLACE FUNCTION public.outcomes(message jsonb, context jsonb) RETURNS void LANGUAGE plpgsql AS $$
 DECLARE
@@ -62,18 +101,26 @@ def db(database):
     with database.connect(autocommit=True) as c:
         c.execute(EFFECTS_DDL)
         c.execute(CHECKER_FUNCTION)
+        c.execute(CHECKER_BATCH_FUNCTION)
         c.execute(OUTCOMES_FUNCTION)
+        c.execute("CREATE TABLE calls (id bigserial PRIMARY KEY, size integer NOT NULL, ids text[] NOT NULL)")
+        c.execute(BATCH_OUTCOMES_FUNCTION)
     return database
 
 
-def test_sql_function_handlers_pass_the_invariant_checker(db, tmp_path):
-    """3 worker processes x 4 slots running a PL/pgSQL handler, 10% transient failures, workers
-    killed with kill -9 and their connections terminated: nothing lost, no duplicate effect,
-    per-key order kept."""
+@pytest.mark.parametrize(
+    "handler",
+    ['function = "chk.handle"', 'function = "chk.handle_batch"\nbatch = true'],
+    ids=["per-message", "batch"],
+)
+def test_sql_function_handlers_pass_the_invariant_checker(db, tmp_path, handler):
+    """3 worker processes x 4 slots running a PL/pgSQL handler (per message, or a batch function),
+    10% transient failures, workers killed with kill -9 and their connections terminated: nothing
+    lost, no duplicate effect, per-key order kept."""
     config = tmp_path / "postbox.toml"
     config.write_text(
         '[consumers.chk]\nretry = { strategy = "fixed", base_delay = 0.01, max_attempts = 1000, max_total_seconds = 3600 }\n'
-        '[consumers.chk.handlers."*"]\nkind = "sql"\nfunction = "chk.handle"\n'
+        f'[consumers.chk.handlers."*"]\nkind = "sql"\n{handler}\n'
     )
     produced = Produced()
     pool = WorkerPool(db.url, "chk", None, 3, 4, config=str(config))
@@ -215,3 +262,61 @@ def test_missing_function_refuses_to_start(db, tmp_path):
     config.write_text('[consumers.fn.handlers."*"]\nkind = "sql"\nfunction = "public.nope"\n')
     r = postbox("--config", str(config), "--database-url", db.url, "worker", "--consumer", "fn")
     assert r.returncode == 2 and "public.nope" in r.stderr and "does not exist" in r.stderr
+
+
+def test_a_batch_function_handles_a_claim_in_one_call_and_only_a_failing_message_fails(db):
+    """batch = true: one call for the messages of a claim, with a context per message (the same
+    idempotency key on every attempt); a call that raises PB002 is rolled back and each of its
+    messages runs alone, so only the permanent one is dead-lettered."""
+    from postbox.inbox.handlers import idempotency_key_for
+
+    config = load_policies(
+        {
+            "consumers": {
+                "fnb": {
+                    "handlers": {"*": {"kind": "sql", "function": "public.batch_outcomes", "batch": True}}
+                }
+            }
+        }
+    )
+    registry = configured_handlers(Registry(), config, "fnb")
+    with psycopg.connect(db.url) as c:
+        postbox.receive_many(
+            c,
+            [
+                {
+                    "consumer": "fnb",
+                    "message_id": f"m{i}",
+                    "payload": {"mode": "permanent" if i == 4 else "none"},
+                }
+                for i in range(30)
+            ],
+        )
+        c.commit()
+    w = Worker(
+        db.url,
+        registry,
+        WorkerSettings(consumer="fnb", **{**FAST_WORKER, "concurrency": 1, "batch_size": 10}),
+    )
+    w.start()
+    try:
+        eventually(lambda: settled(db))
+    finally:
+        w.stop()
+        w.join()
+    with psycopg.connect(db.url) as c:
+        dead = c.execute(
+            "SELECT message_id, reason || ':' || last_error_type FROM postbox.dead_letters"
+        ).fetchall()
+        effects = c.execute("SELECT message_id, key, attempt FROM effects ORDER BY id").fetchall()
+        sizes = [r[0] for r in c.execute("SELECT size FROM calls ORDER BY id")]
+    assert dead == [("m4", "permanent:Permanent")]
+    assert sorted(m for m, _, _ in effects) == sorted(f"m{i}" for i in range(30) if i != 4)
+    # Each message's own idempotency key, the one the per-message function gets.
+    assert all(
+        key == idempotency_key_for(SimpleNamespace(consumer="fnb", message_id=m, headers={})) and attempt == 1
+        for m, key, attempt in effects
+    )
+    # The first claim's call failed (its row rolled back) and its 9 good messages ran alone; the
+    # other two claims were one call each.
+    assert sorted(sizes) == [1] * 9 + [10, 10]

@@ -193,7 +193,7 @@ def configured_handlers(registry: Registry, config: PoliciesConfig, consumer: st
     """``registry`` plus the SQL-function and HTTP handlers the file declares for ``consumer``."""
 
     from postbox.inbox.http_handlers import HttpEndpoint
-    from postbox.inbox.sql_handlers import sql_function_handler
+    from postbox.inbox.sql_handlers import sql_batch_function_handler, sql_function_handler
     from postbox.outbox.transports.http import OutboundPolicy
 
     policy = config.consumers.get(consumer)
@@ -207,7 +207,16 @@ def configured_handlers(registry: Registry, config: PoliciesConfig, consumer: st
         message_type = None if type_ == "*" else type_
         if (consumer, message_type) in out.handlers:
             raise ConfigError(f"{where}: a Python handler is registered for it already")
-        if isinstance(h, SqlHandlerConfig):
+        if isinstance(h, SqlHandlerConfig) and h.batch:
+            out.add(
+                sql_batch_function_handler(h.function),  # type: ignore[arg-type]
+                consumer,
+                message_type,
+                batch=True,
+                idempotent=h.idempotent,
+                timeout=h.timeout,
+            )
+        elif isinstance(h, SqlHandlerConfig):
             out.add(
                 sql_function_handler(h.function),
                 consumer,

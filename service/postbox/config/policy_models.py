@@ -43,7 +43,8 @@ class TypePolicy(BaseModel):
 
 
 class SqlHandlerConfig(BaseModel):
-    """A PostgreSQL function ``schema.function(message jsonb, context jsonb)`` as the handler."""
+    """A PostgreSQL function ``schema.function(message jsonb, context jsonb)`` as the handler, or
+    with ``batch``, ``schema.function(messages jsonb, contexts jsonb)`` as a batch handler."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -51,6 +52,11 @@ class SqlHandlerConfig(BaseModel):
     function: str = Field(min_length=1)
     idempotent: bool = False
     timeout: float | None = Field(default=None, gt=0)
+    batch: bool = Field(
+        default=False,
+        description="call the function once for the messages of a claimed batch, as "
+        "function(messages jsonb, contexts jsonb) with one array element per message",
+    )
 
 
 class HttpHandlerConfig(BaseModel):

@@ -9,6 +9,12 @@ exactly-once like a Python handler's. It reports failures by raising:
 - ``ERRCODE = 'PB003'``: outcome unknown (retried only if the handler is declared idempotent);
 - any other error is classified by its SQLSTATE like any database error (for example a unique
   violation is permanent, a serialization failure transient).
+
+As a batch handler (``batch = true``), ``schema.function(messages jsonb, contexts jsonb)`` is called
+once for the messages of a claimed batch: two JSON arrays, element ``i`` of each being what the
+per-message function would get for message ``i``. If it raises, its writes are rolled back and
+each message is run again alone (one-element arrays), so only the one that fails is retried or
+dead-lettered, with its own error.
 """
 
 from __future__ import annotations
@@ -21,10 +27,18 @@ from psycopg import sql
 
 from postbox.errors import ConfigError
 from postbox.failures.outcomes import Outcome, Permanent, Retry, Transient, UnknownOutcome
-from postbox.inbox.handlers import Context, HandlerFunc, Message
+from postbox.inbox.handlers import BatchContext, BatchHandlerFunc, Context, HandlerFunc, Message
 from postbox.messages import to_json
 
-__all__ = ["PERMANENT", "TRANSIENT", "UNKNOWN", "message_document", "sql_function_handler"]
+__all__ = [
+    "PERMANENT",
+    "TRANSIENT",
+    "UNKNOWN",
+    "message_context",
+    "message_document",
+    "sql_batch_function_handler",
+    "sql_function_handler",
+]
 
 TRANSIENT, PERMANENT, UNKNOWN = "PB001", "PB002", "PB003"
 _RETRY_AFTER = re.compile(r"retry_after\s*=\s*([0-9]+(?:\.[0-9]+)?)")
@@ -69,23 +83,53 @@ def _outcome(error: psycopg.Error) -> Outcome | None:
     return Retry(after=float(match.group(1)), reason=text) if match else Transient(text)
 
 
+def message_context(message: Message, idempotency_key: str) -> dict[str, Any]:
+    """What a SQL-function handler gets as the context of ``message``'s attempt."""
+    return {"attempt": message.attempt, "idempotency_key": idempotency_key,
+            "first_failed_at": message.first_failed_at.isoformat() if message.first_failed_at else None,
+            "last_error": message.last_error}  # fmt: skip
+
+
+def _call(conn: psycopg.Connection[Any], statement: sql.Composed, messages: Any, contexts: Any) -> None:
+    """Run the function; its PB00x errors become the outcomes they stand for."""
+    try:
+        conn.execute(statement, (to_json(messages), to_json(contexts)))
+    except psycopg.Error as error:
+        outcome = _outcome(error)
+        if outcome is None:
+            raise
+        raise outcome from error
+
+
+def _statement(function: str) -> sql.Composed:
+    return sql.SQL("SELECT {}(%s::jsonb, %s::jsonb)").format(_parse_name(function))
+
+
 def sql_function_handler(function: str) -> HandlerFunc:
     """A handler that calls ``function(message jsonb, context jsonb)`` in the message's transaction."""
-    statement = sql.SQL("SELECT {}(%s::jsonb, %s::jsonb)").format(_parse_name(function))
+    statement = _statement(function)
 
     def handle(message: Message, ctx: Context) -> None:
-        context = {"attempt": message.attempt, "idempotency_key": ctx.idempotency_key,
-                   "first_failed_at": message.first_failed_at.isoformat() if message.first_failed_at else None,
-                   "last_error": message.last_error}  # fmt: skip
-        try:
-            ctx.conn.execute(statement, (to_json(message_document(message)), to_json(context)))
-        except psycopg.Error as error:
-            outcome = _outcome(error)
-            if outcome is None:
-                raise
-            raise outcome from error
+        _call(ctx.conn, statement, message_document(message), message_context(message, ctx.idempotency_key))
 
     handle.__name__ = handle.__qualname__ = f"sql:{function}"
+    return handle
+
+
+def sql_batch_function_handler(function: str) -> BatchHandlerFunc:
+    """A batch handler that calls ``function(messages jsonb, contexts jsonb)`` once for a call's
+    messages (two arrays, an element per message, in the call's order)."""
+    statement = _statement(function)
+
+    def handle(messages: list[Message], ctx: BatchContext) -> None:
+        _call(
+            ctx.conn,
+            statement,
+            [message_document(m) for m in messages],
+            [message_context(m, ctx.idempotency_key(m)) for m in messages],
+        )
+
+    handle.__name__ = handle.__qualname__ = f"sql-batch:{function}"
     return handle
 
 
