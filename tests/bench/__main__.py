@@ -108,6 +108,8 @@ def processing_workloads(b: Bench, sizes: dict[str, int], first: bool) -> None:
     rate, rss = b.drain(2 * sizes["drain"], 500, processes=2, concurrency=2, batch=50, app="batch_registry")
     b.record(report.DRAIN_BATCH, "msg/s", rate)
     b.record(report.DRAIN_BATCH_RSS, "MB", rss)
+    # The same with the configuration's SQL-function batch handler (no Python handler).
+    b.record(report.DRAIN_SQL_BATCH, "msg/s", b.drain(2 * sizes["drain"], 500, 2, 2, 50, app="sql_batch")[0])
     # What bounds it: the same drain in batches of 10 (the sustained load's), and the round trips
     # the machine makes with nothing to do (a message costs two: its savepoint, its handler's statement).
     b.record(report.DRAIN_10, "msg/s", b.drain(sizes["drain"], 500, processes=2, concurrency=2, batch=10)[0])

@@ -44,6 +44,7 @@ DRAIN_BATCH_RSS = "worker peak RSS during drain with a batch handler"
 DRAIN_SQL = "drain in SQL only (claim + effects + complete per 50), pgbench -c 4"
 DRAIN_10 = "ordered drain, 500 keys, 2 proc x 2 slots, batch 10"
 DRAIN_BATCH = "ordered drain, batch handler (one statement per call), 500 keys, 2 proc x 2 slots"
+DRAIN_SQL_BATCH = "ordered drain, SQL-function batch handler (one call per claim, messages as JSON), 500 keys, 2 proc x 2 slots"
 ROUND_TRIPS = "pgbench empty round trips (SELECT 1), -c 4 -j 2"
 RELAY_POSTGRES = "relay to postgres, 500 keys, in order, confirmed"
 RELAY_RABBITMQ = "relay to rabbitmq, 500 keys, in order, confirmed"
@@ -160,6 +161,12 @@ CHECKS: tuple[Check, ...] = (
         "ordered drain with a batch handler / with a handler per message",
         DRAIN_BATCH,
         DRAIN,
+        detail=True,
+    ),
+    Check(
+        "ordered drain with a SQL-function batch handler / drain in SQL only",
+        DRAIN_SQL_BATCH,
+        DRAIN_SQL,
         detail=True,
     ),
     Check(

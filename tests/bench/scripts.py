@@ -19,6 +19,19 @@ INSERT INTO bench_effects (message_id, key, seq) VALUES ('x', 'k', :k);
 UPDATE bench_rows SET n = n + 1 WHERE id = :k;
 COMMIT;
 """
+# The drain's effect rows as a SQL-function batch handler (kind = "sql", batch = true): one
+# statement per call, over the call's messages as JSON.
+SQL_BATCH_HANDLER = """CREATE FUNCTION bench_effects_batch(messages jsonb, contexts jsonb) RETURNS void
+LANGUAGE sql AS $$
+    INSERT INTO bench_effects (message_id, key, seq, latency_ms)
+    SELECT m ->> 'message_id', m ->> 'key', (m ->> 'sequence')::bigint,
+           extract(epoch FROM clock_timestamp() - (m ->> 'received_at')::timestamptz) * 1000
+      FROM jsonb_array_elements(messages) AS m
+$$"""
+SQL_BATCH_CONFIG = (
+    '[consumers.bench.handlers."*"]\nkind = "sql"\nfunction = "public.bench_effects_batch"\nbatch = true\n'
+)
+
 # One batch of the drain in SQL: claim, one effect row per message, complete (bench_drain_batch).
 DRAIN_SQL_FUNCTION = """CREATE FUNCTION bench_drain_batch(n integer) RETURNS integer LANGUAGE plpgsql AS $$
 DECLARE ids bigint[]; attempts integer[];

@@ -18,7 +18,7 @@ import psycopg
 import postbox
 from tests.bench.backlog import claim_complete_ms
 from tests.bench.harness import Harness, rss_mb, wait
-from tests.bench.scripts import DRAIN_SQL_FUNCTION
+from tests.bench.scripts import DRAIN_SQL_FUNCTION, SQL_BATCH_CONFIG, SQL_BATCH_HANDLER
 from tests.helpers import spawn_postbox
 
 KAFKA_PARTITIONS = 3
@@ -95,18 +95,28 @@ class Bench(Harness):
     ) -> tuple[float, float]:
         """Ordered drain: msgs/s, and peak worker RSS in MB. Verifies order and exactly-once after.
         ``app`` names the handlers in tests/bench/app.py: ``registry`` (a handler per message) or
-        ``batch_registry`` (a batch handler: one statement per call)."""
+        ``batch_registry`` (a batch handler: one statement per call); or ``sql_batch``, a
+        SQL-function batch handler declared in the configuration (scripts.SQL_BATCH_HANDLER)."""
         url = self.fresh()
         self._preload(url, n, keys)
+        handlers = ["--app", f"tests.bench.app:{app}"]
+        config = None
+        if app == "sql_batch":
+            with psycopg.connect(url, autocommit=True) as c:
+                c.execute(SQL_BATCH_HANDLER)
+            with tempfile.NamedTemporaryFile("w", suffix=".toml", delete=False) as f:
+                f.write(SQL_BATCH_CONFIG)
+            config = f.name
+            handlers = []
         procs = [
             spawn_postbox(
+                *(("--config", config) if config else ()),
                 "--database-url",
                 url,
                 "worker",
                 "--consumer",
                 "bench",
-                "--app",
-                f"tests.bench.app:{app}",
+                *handlers,
                 "--concurrency",
                 str(concurrency),
                 "--batch-size",
@@ -140,6 +150,8 @@ class Bench(Harness):
                 p.send_signal(signal.SIGTERM)
             for p in procs:
                 p.wait(30)
+            if config:
+                os.unlink(config)
         return n / elapsed, peak
 
     def drain_sql(self, n: int, keys: int, batch: int, seconds: int) -> float:
