@@ -319,3 +319,36 @@ def test_an_async_batch_call_past_its_time_limit_is_cancelled_and_only_the_slow_
     run_until_settled(db.url, reg, batch_size=10)
     assert sorted(ids[0] for _, ids in calls(db.url)) == ["a", "b"]
     assert dead(db.url) == {"slow": ("attempts_exhausted", "HandlerTimeout", 1)}
+
+
+@pytest.mark.parametrize("then", [None, "SELECT 1"], ids=["commit", "commit-then-query"])
+def test_a_batch_handler_that_commits_with_sql_never_has_its_messages_run_again(db, then):
+    """A batch handler that runs COMMIT as SQL commits its call's effects with it (and a query after
+    it begins another transaction): none of the call's messages is run again, which would double
+    those effects; they are dead-lettered with the misuse named. A message of another handler,
+    done before the call in the same batch, was committed by it and is done."""
+    reg = Registry()
+
+    @reg.handler("c", "single")
+    def single(message, ctx):
+        record_effect(ctx.conn, message.message_id, message.key, message.sequence, message.attempt)
+
+    @reg.batch_handler("c", "many")
+    def handle(messages, ctx):
+        for m in messages:
+            record_effect(ctx.conn, m.message_id, m.key, m.sequence, m.attempt)
+        ctx.conn.execute("COMMIT")
+        if then:
+            ctx.conn.execute(then)
+
+    produce(
+        db.url,
+        [{"message_id": "first", "type": "single"}, {"message_id": "second", "type": "single"}]
+        + [{"message_id": f"commit-{i}", "type": "many"} for i in range(4)],
+    )
+    run_until_settled(db.url, reg, batch_size=10)
+    found = effects(db.url)
+    assert found == {"first": [1], "second": [1]} | {f"commit-{i}": [1] for i in range(4)}  # none twice
+    assert set(dead(db.url)) == {f"commit-{i}" for i in range(4)}
+    assert {error for _, error, _ in dead(db.url).values()} == {"HandlerEndedTransaction"}
+    assert scalar(db.url, "SELECT count(*) FROM postbox.inbox WHERE state <> 'blocked'") == 0

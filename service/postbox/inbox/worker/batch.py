@@ -64,6 +64,9 @@ class Batch:
     position: int = 0  # index of the message being (or last) run
     xid: str | None = None  # the transaction's id once assigned, as of before the last handler ran
     savepoint: bool = False  # the batch's transaction and first savepoint are open
+    # Message id -> the messages of the batch handler's call it ran in, while that call's effects
+    # stand (a handler that ends the transaction may have committed them all).
+    calls: dict[int, list[Message]] = field(default_factory=dict)
 
     def after(self, message: Message) -> list[Message]:
         """The messages after ``message`` that have not run."""

@@ -38,7 +38,8 @@ class Completer(SlotBase):
         """A handler committed or rolled back the batch's transaction with SQL. Whatever it left open
         is rolled back; what ran before it is settled by what happened to it: committed effects
         are marked done now (never run again), rolled-back ones are given back with their attempt
-        intact. The culprit is dead-lettered."""
+        intact. The culprit is dead-lettered: with a batch handler, every message of the call, whose
+        effects it may have committed with its own (run again, they would be doubled)."""
         assert self.conn is not None
         conn = self.conn
         self._rollback()
@@ -48,11 +49,18 @@ class Completer(SlotBase):
             row = rows[0] if rows else None
             committed = row is not None and row[0] == "committed"
         how = "committed" if committed else "rolled back"
+        culprits = batch.calls.get(culprit.id, [culprit])
+        own = (
+            "its own effects up to that point may have been committed"
+            if len(culprits) == 1
+            else f"it was a batch handler's call of {len(culprits)} messages, whose effects up to that point "
+            "may have been committed: each of them is dead-lettered, never run again"
+        )
         error = HandlerEndedTransaction(
             f"the handler ended the worker's transaction with SQL (COMMIT or ROLLBACK): handlers must "
             f"leave it to the worker. The messages before it in its batch were {how} by it"
             + (" and are marked done" if committed else " and are given back")
-            + "; its own effects up to that point may have been committed"
+            + f"; {own}"
         )
         log.error(
             "slot %s: %s",
@@ -60,10 +68,12 @@ class Completer(SlotBase):
             error,
             extra=log_fields(culprit, "HandlerEndedTransaction", event="handler_ended_transaction"),
         )
-        before = [m for m in batch.done if m is not culprit]
+        charged = {id(m) for m in culprits}
+        before = [m for m in batch.done if id(m) not in charged]
         done = before if committed else []
-        give_back = ([] if committed else before) + batch.after(culprit) + batch.unrun
-        failures = [*batch.failures, self._failure(culprit, error)]
+        after = [m for m in batch.after(culprit) if id(m) not in charged]
+        give_back = ([] if committed else before) + after + batch.unrun
+        failures = [*batch.failures, *(self._failure(m, error) for m in culprits)]
         self._finish(done, failures, give_back)
 
     def _breaker_record(self, transient_failure: bool, key: str, successes: int = 1) -> None:

@@ -128,6 +128,7 @@ class Slot(ClaimLoop, Executor, Completer):
         self._open_savepoint(batch)
         first = group[0]
         batch.in_flight = first
+        batch.calls.update(dict.fromkeys([m.id for m in group], group))
         with tracing.processing_batch(group) as span:
             metrics.record_starts(group, self.worker.clock.now())
             started = time.monotonic()
@@ -145,6 +146,8 @@ class Slot(ClaimLoop, Executor, Completer):
                 tracing.decided(span, "done")
                 return
             savepoints.roll_back(self.conn, first)
+            for m in group:  # the call's effects are undone: from here on each message answers for itself
+                del batch.calls[m.id]
             tracing.decided(span, "split", error)
         log.info(
             "slot %s: the batch handler failed for %s messages (%s: %s); running them one at a time",
