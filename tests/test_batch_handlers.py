@@ -322,7 +322,8 @@ def test_an_async_batch_call_past_its_time_limit_is_cancelled_and_only_the_slow_
 
 
 @pytest.mark.parametrize("then", [None, "SELECT 1"], ids=["commit", "commit-then-query"])
-def test_a_batch_handler_that_commits_with_sql_never_has_its_messages_run_again(db, then):
+@pytest.mark.parametrize("kind", ["sync", "async"])
+def test_a_batch_handler_that_commits_with_sql_never_has_its_messages_run_again(db, then, kind):
     """A batch handler that runs COMMIT as SQL commits its call's effects with it (and a query after
     it begins another transaction): none of the call's messages is run again, which would double
     those effects; they are dead-lettered with the misuse named. A message of another handler,
@@ -333,13 +334,28 @@ def test_a_batch_handler_that_commits_with_sql_never_has_its_messages_run_again(
     def single(message, ctx):
         record_effect(ctx.conn, message.message_id, message.key, message.sequence, message.attempt)
 
-    @reg.batch_handler("c", "many")
-    def handle(messages, ctx):
-        for m in messages:
-            record_effect(ctx.conn, m.message_id, m.key, m.sequence, m.attempt)
-        ctx.conn.execute("COMMIT")
-        if then:
-            ctx.conn.execute(then)
+    if kind == "sync":
+
+        @reg.batch_handler("c", "many")
+        def handle(messages, ctx):
+            for m in messages:
+                record_effect(ctx.conn, m.message_id, m.key, m.sequence, m.attempt)
+            ctx.conn.execute("COMMIT")
+            if then:
+                ctx.conn.execute(then)
+
+    else:
+
+        @reg.batch_handler("c", "many")
+        async def handle_async(messages, ctx):
+            for m in messages:
+                await ctx.conn.execute(
+                    "INSERT INTO effects (message_id, key, sequence, attempt) VALUES (%s, %s, %s, %s)",
+                    (m.message_id, m.key, m.sequence, m.attempt),
+                )
+            await ctx.conn.execute("COMMIT")
+            if then:
+                await ctx.conn.execute(then)
 
     produce(
         db.url,
