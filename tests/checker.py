@@ -67,8 +67,17 @@ def produce(
                         "payload": payload,
                     }
                 )
-            postbox.receive_many(conn, msgs)
-            conn.commit()
+            for attempt in range(1, 6):
+                try:
+                    postbox.receive_many(conn, msgs)
+                    conn.commit()
+                    break
+                except (psycopg.errors.DeadlockDetected, psycopg.errors.SerializationFailure):
+                    # As a producer should: PostgreSQL may end this transaction instead of a
+                    # migration it deadlocked with (docs/upgrading.md); nothing of it was written.
+                    conn.rollback()
+                    if attempt == 5:
+                        raise
             with produced.lock:
                 for m in msgs:
                     produced.messages[m["message_id"]] = (m["key"], m["sequence"])
