@@ -5,6 +5,7 @@ that fails is retried or dead-lettered."""
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import psycopg
 import pytest
@@ -368,3 +369,29 @@ def test_a_batch_handler_that_commits_with_sql_never_has_its_messages_run_again(
     assert set(dead(db.url)) == {f"commit-{i}" for i in range(4)}
     assert {error for _, error, _ in dead(db.url).values()} == {"HandlerEndedTransaction"}
     assert scalar(db.url, "SELECT count(*) FROM postbox.inbox WHERE state <> 'blocked'") == 0
+
+
+def test_a_batch_call_that_commits_with_sql_then_hangs_never_has_its_messages_run_again(db):
+    """A call that runs COMMIT as SQL, then hangs past its time limit: its slot is abandoned, and
+    the slot that settles the batch finds the transaction committed, so every message of the call
+    is dead-lettered, none run again (their effects are durable)."""
+    reg = Registry()
+    release = threading.Event()
+
+    @reg.batch_handler("c", timeout=0.5)
+    def handle(messages, ctx):
+        for m in messages:
+            record_effect(ctx.conn, m.message_id, m.key, m.sequence, m.attempt)
+        if not release.is_set():
+            ctx.conn.execute("COMMIT")
+            release.wait(30)  # stuck past its time limit until the test ends
+
+    produce(db.url, [{"message_id": f"m{i}"} for i in range(4)])
+    try:
+        run_until_settled(db.url, reg, batch_size=10)
+    finally:
+        release.set()
+    assert effects(db.url) == {f"m{i}": [1] for i in range(4)}
+    assert {m: (reason, error) for m, (reason, error, _) in dead(db.url).items()} == {
+        f"m{i}": ("handler_ended_transaction", "HandlerEndedTransaction") for i in range(4)
+    }

@@ -138,6 +138,21 @@ def test_a_handler_that_ends_the_transaction_with_sql_is_settled_by_what_happene
     assert scalar(db.url, "SELECT count(*) FROM postbox.attempts WHERE message_id <> 'bad'") == 0
 
 
+def test_a_handler_that_commits_with_sql_then_hangs_never_has_a_committed_message_run_again(db):
+    """A handler that runs COMMIT as SQL and then hangs past its time limit: its slot is abandoned,
+    and whoever settles the batch finds the transaction committed. The earlier messages, whose
+    effects the COMMIT made durable, are done and never run again; the culprit, whose own effect it
+    committed too, is dead-lettered, not retried."""
+    produce(db.url, ("a", {}), ("b", {}), ("bad", {"do": "sql_commit_sleep", "seconds": 6}), ("c", {}))
+    p = spawn(db.url)
+    try:
+        eventually(lambda: live(db.url) == 0, timeout=30, what="batch settled")
+    finally:
+        assert stop(p) == 0
+    assert effects(db.url) == {"a": [1], "b": [1], "bad": [1], "c": [1]}
+    assert dead(db.url) == {"bad": ("handler_ended_transaction", 1)}
+
+
 def test_a_handler_that_swallows_a_database_error_fails_its_attempt_only(db):
     """A handler that catches a database error and returns leaves its transaction failed: its
     attempt fails (and is retried), the batch's other messages are unaffected."""

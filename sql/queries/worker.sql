@@ -21,7 +21,10 @@ SELECT postbox.worker_unregister_v1(:id);
 -- libpq. The first one begins the transaction in the same round trip.
 
 -- name: worker_savepoint
-BEGIN; SAVEPOINT postbox_m;
+-- The transaction's id, assigned now (the batch writes at least its completion anyway): if a
+-- handler ends the transaction, or hangs or dies after ending it, the id tells whether what ran
+-- before was committed or rolled back.
+BEGIN; SAVEPOINT postbox_m; SELECT pg_current_xact_id();
 
 -- name: worker_savepoint_rollback
 ROLLBACK TO SAVEPOINT postbox_m;
@@ -31,9 +34,6 @@ RELEASE SAVEPOINT postbox_m;
 
 -- name: worker_savepoint_next
 RELEASE SAVEPOINT postbox_m; SAVEPOINT postbox_m;
-
--- name: worker_savepoint_next_xid
-RELEASE SAVEPOINT postbox_m; SAVEPOINT postbox_m; SELECT pg_current_xact_id_if_assigned();
 
 -- name: worker_terminate_backend
 SELECT pg_terminate_backend(CAST(:pid AS integer), 5000);

@@ -74,6 +74,7 @@ DEAD_KINDS = (
     "api_commit_swallowed",  # ctx.conn.commit(), the refusal caught and ignored
     "sql_commit",  # ctx.conn.execute("COMMIT")
     "sql_rollback",  # ctx.conn.execute("ROLLBACK")
+    "sql_commit_stuck",  # ctx.conn.execute("COMMIT"), then stuck past the time limit (slot abandoned)
 )
 # Handlers stuck in Python past the time limit (their slot abandoned), at the first attempt only.
 STUCK_KINDS = (
@@ -239,6 +240,13 @@ def _misbehave(kind: str, message: Message, ctx: Context) -> None:
     if kind in ("sql_commit", "sql_rollback"):
         ctx.conn.execute("COMMIT" if kind == "sql_commit" else "ROLLBACK")
         _effect(message, ctx)  # in a transaction of its own, which the worker must roll back
+        return
+    if kind == "sql_commit_stuck":
+        # The COMMIT makes the batch's earlier effects durable; the slot that settles the
+        # abandoned batch must find that out (none may run again), and refuse the late write.
+        ctx.conn.execute("COMMIT")
+        time.sleep(STUCK_SECONDS)
+        _late_write(message, ctx)
         return
     _effect(message, ctx)  # must be rolled back: the attempt fails
     match kind:

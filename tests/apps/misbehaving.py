@@ -61,6 +61,9 @@ def _misbehave(message: Message, ctx: Context) -> None:
             ctx.conn.execute("SELECT 1")
         case "sql_commit":
             ctx.conn.execute("COMMIT")
+        case "sql_commit_sleep":  # commits, then hangs past its time limit
+            ctx.conn.execute("COMMIT")
+            time.sleep(float(p.get("seconds", 3600)))
         case "swallow_error":
             with contextlib.suppress(psycopg.Error):
                 ctx.conn.execute("SELECT 1 / 0")

@@ -376,7 +376,7 @@ def _check_misbehaviour(
             v.misbehaviour_violations.append(
                 f"{mid} ({kind}): an effect of its misbehaving attempt {attempt}"
             )
-        if kind in ("sql_commit", "sql_rollback") and inbox_id in batch:
+        if kind in ("sql_commit", "sql_rollback", "sql_commit_stuck") and inbox_id in batch:
             # The messages before it in its batch (claim order is run order): a COMMIT made the
             # effects of those that succeeded durable (marked done at once: a second effect would
             # show as a duplicate); a ROLLBACK undid them (any effect is of a later attempt).
@@ -385,7 +385,7 @@ def _check_misbehaviour(
                 if other is None or other not in effect_times:
                     continue
                 before = effect_times[other][0] < at
-                if kind == "sql_commit" and before:
+                if kind in ("sql_commit", "sql_commit_stuck") and before:
                     v.committed_by_handler += 1
                 elif kind == "sql_rollback" and before:
                     v.misbehaviour_violations.append(f"{other}: its effect survived {mid}'s ROLLBACK")

@@ -40,14 +40,21 @@ class Completer(SlotBase):
         are marked done now (never run again), rolled-back ones are given back with their attempt
         intact. The culprit is dead-lettered: with a batch handler, every message of the call, whose
         effects it may have committed with its own (run again, they would be doubled)."""
-        assert self.conn is not None
-        conn = self.conn
         self._rollback()
-        committed = False
-        if batch.xid is not None:
-            rows = run(conn, query("worker_transaction_status"), {"xid": batch.xid})
-            row = rows[0] if rows else None
-            committed = row is not None and row[0] == "committed"
+        self._charge_ended(batch, culprit, self._committed(batch))
+
+    def _committed(self, batch: Batch) -> bool:
+        """Whether the batch's transaction committed (a handler's ``COMMIT``: the worker commits
+        only once every handler has returned)."""
+        assert self.conn is not None
+        if batch.xid is None:
+            return False
+        rows = run(self.conn, query("worker_transaction_status"), {"xid": batch.xid})
+        return bool(rows) and rows[0][0] == "committed"
+
+    def _charge_ended(self, batch: Batch, culprit: Message, committed: bool) -> None:
+        """Settle a batch whose transaction ``culprit``'s handler ended: what ran before it by what
+        happened to it, the culprit (every message of its call, for a batch handler) dead-lettered."""
         how = "committed" if committed else "rolled back"
         culprits = batch.calls.get(culprit.id, [culprit])
         own = (
@@ -136,9 +143,15 @@ class Completer(SlotBase):
         if batch is None:
             self._inheritance = None
             return
+        in_flight = inheritance.in_flight
+        if in_flight is not None and self._committed(batch):
+            # The handler in flight had ended the batch's transaction with a COMMIT before it hung
+            # or died: what ran before it is durable (and so may be its own effects).
+            self._charge_ended(batch, in_flight, committed=True)
+            self._inheritance = None
+            return
         failures = list(batch.failures)
         give_back = [*batch.done, *batch.unrun]
-        in_flight = inheritance.in_flight
         if in_flight is not None:
             error = inheritance.error or RuntimeError("the slot stopped")
             now_retry = 0.0 if isinstance(error, WorkerShutdown) else None

@@ -25,22 +25,22 @@ __all__ = ["begin", "next_savepoint", "release", "roll_back"]
 _ENDED = {"3B001", "25P01"}
 
 
-def begin(conn: psycopg.Connection[Any]) -> None:
+def begin(conn: psycopg.Connection[Any], batch: Batch) -> None:
     """Begin the batch's transaction and its first savepoint, in one round trip (psycopg would
-    send its ``BEGIN`` on its own first). psycopg reads the transaction's state from the server's
-    connection, so it sees the transaction as open, as if it had begun it."""
-    _checked(conn, send_raw(conn, query("worker_savepoint")))
+    send its ``BEGIN`` on its own first), and note the transaction's id in ``batch.xid``: if a
+    handler ends the transaction, the id tells whether what ran before it was committed or rolled
+    back. psycopg reads the transaction's state from the server's connection, so it sees the
+    transaction as open, as if it had begun it."""
+    result = send_raw(conn, query("worker_savepoint"))
+    _checked(conn, result)
+    value = result.get_value(0, 0) if result.ntuples else None
+    batch.xid = value.decode() if value is not None else None
 
 
 def next_savepoint(conn: psycopg.Connection[Any], batch: Batch) -> None:
-    """The next message's savepoint, in the batch's open transaction (one round trip). Until the
-    transaction has an id, the same round trip asks for it: if a handler later ends the
-    transaction, the id tells whether what ran before it was committed or rolled back."""
+    """The next message's savepoint, in the batch's open transaction (one round trip)."""
     assert batch.last_run is not None
-    if batch.xid is None:
-        batch.xid = _command(conn, "worker_savepoint_next_xid", batch.last_run)
-    else:
-        _command(conn, "worker_savepoint_next", batch.last_run)
+    _command(conn, "worker_savepoint_next", batch.last_run)
 
 
 def roll_back(conn: psycopg.Connection[Any], culprit: Message) -> None:
@@ -54,17 +54,12 @@ def release(conn: psycopg.Connection[Any], culprit: Message) -> None:
     _command(conn, "worker_savepoint_release", culprit)
 
 
-def _command(conn: psycopg.Connection[Any], name: str, culprit: Message) -> str | None:
-    """Send the named command; the first value of a result with rows. A transaction found gone
-    raises ``TransactionEnded``; any other failure is raised as psycopg would raise it."""
+def _command(conn: psycopg.Connection[Any], name: str, culprit: Message) -> None:
+    """Send the named command. A transaction found gone raises ``TransactionEnded``; any other
+    failure is raised as psycopg would raise it."""
     if conn.info.transaction_status is psycopg.pq.TransactionStatus.IDLE:
         raise TransactionEnded(culprit)
-    result = send_raw(conn, query(name))
-    if result.status == psycopg.pq.ExecStatus.TUPLES_OK:
-        value = result.get_value(0, 0) if result.ntuples else None
-        return value.decode() if value is not None else None
-    _checked(conn, result, culprit)
-    return None
+    _checked(conn, send_raw(conn, query(name)), culprit)
 
 
 def _checked(

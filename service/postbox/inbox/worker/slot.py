@@ -118,7 +118,7 @@ class Slot(ClaimLoop, Executor, Completer):
         if batch.savepoint:
             savepoints.next_savepoint(self.conn, batch)
         else:
-            savepoints.begin(self.conn)
+            savepoints.begin(self.conn, batch)
             batch.savepoint = True
 
     def _run_group(self, batch: Batch, spec: HandlerSpec, group: list[Message]) -> None:
