@@ -360,6 +360,9 @@ def run_fault(
                 time.sleep(0.1)
             else:
                 drain = time.monotonic() - healed
+            if drain is None and isinstance(broker, KafkaBrokerLog):
+                rig.notes["records a fresh reader finds in the topic"] = broker.count_afresh()
+                rig.notes["records the log read"] = len(broker.received)
         finally:
             if cluster is not None:
                 cluster.ensure_running()
@@ -386,11 +389,13 @@ def run_fault(
             notes["slots abandoned"] = workers.count_in_logs('"event": "handler_abandoned"')
         if fault.broker == "kafka":
             notes["relay attempts failed"] = _failed_sends(url)
+            if isinstance(broker, KafkaBrokerLog):
+                notes["broker log reader replaced after a quiet spell"] = broker.reopened
         notes = {k: v for k, v in notes.items() if v}
         if drain is None:
             worker_tail = workers.log_tail(workers.spawned)
             raise AssertionError(
-                f"{fault.name}: backlog did not drain within {drain_bound}s: {verdict.problems()}"
+                f"{fault.name}: backlog did not drain within {drain_bound}s: {verdict.problems()} {notes}"
                 f"\nlast worker log: {worker_tail}\nrelay log: {relays.log_tail(relays.spawned)}\n{_stuck(url)}"
             )
     return Result(fault.name, iterations, time.monotonic() - started, verdict, notes)
