@@ -157,7 +157,7 @@ def test_memory_stays_bounded_whatever_the_rate():
 
 
 def test_a_batch_of_successes_counts_as_that_many_successes():
-    """record_successes(n) leaves the breaker as n successful record() calls would: in the window
+    """record(False, key, n) leaves the breaker as n successful record() calls would: in the window
     (diluting failures), and after a probe (which it closes, the rest counted from there)."""
     one, _ = _breaker()
     many, _ = _breaker()
@@ -166,13 +166,13 @@ def test_a_batch_of_successes_counts_as_that_many_successes():
             b.record(True, f"k{i}")
     for _ in range(3):
         one.record(False, "k")
-    assert many.record_successes(3) is BreakerState.CLOSED
+    assert many.record(False, "k", 3) is BreakerState.CLOSED
     for b in (one, many):
         assert b.record(True, "k7") is BreakerState.CLOSED  # 8 failures in 11: under 0.8
         assert b.record(True, "k8") is BreakerState.CLOSED  # 9 in 12
     assert vars(one)["_attempts"] == vars(many)["_attempts"] == 12
 
     probed = _probing()
-    assert probed.record_successes(4) is BreakerState.CLOSED
+    assert probed.record(False, "k", 4) is BreakerState.CLOSED
     assert vars(probed)["_attempts"] == 3  # the probe closed it; the other 3 are in the new window
-    assert probed.record_successes(0) is BreakerState.CLOSED
+    assert probed.record(False, "k", 0) is BreakerState.CLOSED

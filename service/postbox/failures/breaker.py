@@ -118,9 +118,10 @@ class CircuitBreaker:
             and len(self._failing_keys) >= self.settings.min_keys
         )
 
-    def record(self, transient_failure: bool, key: str) -> BreakerState:
+    def record(self, transient_failure: bool, key: str, attempts: int = 1) -> BreakerState:
         """Record an attempt's outcome (``key``: the message's key; a permanent failure is not a
-        transient failure); returns the state after it."""
+        transient failure), or ``attempts`` successful ones at once (a batch handler's call);
+        returns the state after it."""
         if not self.settings.enabled:
             return self.state
         with self._lock:
@@ -128,30 +129,13 @@ class CircuitBreaker:
             if self.state is BreakerState.HALF_OPEN:
                 if transient_failure:
                     self._open(now)
-                else:
-                    self.state = BreakerState.CLOSED
-                    self._clear()
-                return self.state
-            self._count(now, transient_failure, key)
-            self._trim(now)
-            if self.state is BreakerState.CLOSED and self._outage():
-                self._open(now)
-            return self.state
-
-    def record_successes(self, n: int) -> BreakerState:
-        """Record ``n`` attempts that succeeded (a batch handler's call): as ``n`` calls of
-        :meth:`record` without a failure, under one lock."""
-        if not self.settings.enabled or n <= 0:
-            return self.state
-        with self._lock:
-            if self.state is BreakerState.HALF_OPEN:
+                    return self.state
                 self.state = BreakerState.CLOSED
                 self._clear()
-                n -= 1  # the probe's success closed the circuit; the others count from there
-                if n == 0:
+                attempts -= 1  # the probe's success closed the circuit; any others count from there
+                if attempts <= 0:
                     return self.state
-            now = self._clock()
-            self._count(now, False, "", n)
+            self._count(now, transient_failure, key, attempts)
             self._trim(now)
             if self.state is BreakerState.CLOSED and self._outage():
                 self._open(now)

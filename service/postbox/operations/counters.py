@@ -222,16 +222,12 @@ def record_claim(consumer: str, messages: Sequence[Any], seconds: float) -> None
     if not messages:
         return
     labels: dict[str, int] = {}
-    redelivered = 0
     for m in messages:
-        if m.attempt == 1:
-            labels["1"] = labels.get("1", 0) + 1
-        else:
-            label = _attempt_label(m.attempt)
-            labels[label] = labels.get(label, 0) + 1
-            redelivered += m.attempt > 1
+        label = _attempt_label(m.attempt)
+        labels[label] = labels.get(label, 0) + 1
     for label, n in labels.items():
         _child(DELIVERIES, consumer, label).inc(n)
+    redelivered = sum(1 for m in messages if m.attempt > 1)
     if redelivered:
         _child(REDELIVERIES, consumer).inc(redelivered)
 

@@ -88,12 +88,7 @@ class Completer(SlotBase):
         batch handler's call) and log a change of its state."""
         breaker = self.worker.breaker
         before = breaker.state
-        if transient_failure:
-            after = breaker.record(True, key)
-        elif successes == 1:
-            after = breaker.record(False, key)
-        else:
-            after = breaker.record_successes(successes)
+        after = breaker.record(transient_failure, key, 1 if transient_failure else successes)
         if after is not before:
             metrics.record_breaker(self.settings.consumer, after.value)
             level = logging.WARNING if after is BreakerState.OPEN else logging.INFO
