@@ -214,3 +214,40 @@ def test_a_workload_that_broke_an_invariant_is_listed_on_the_page_and_in_the_pri
     for text in (report.results_page(run), report.run_markdown(run)):
         assert f"## Failures\n\n- {failure}\n" in text
     assert "## Failures" not in report.results_page(small_run())
+
+
+def test_a_quiet_machine_gets_no_note():
+    """Steady references and no steal: nothing to warn about."""
+    results = {
+        report.SINGLE_INSERT: Result(report.SINGLE_INSERT, "tx/s", [5365.0, 5519.0, 5520.0]),
+        report.INSERT_UPDATE: Result(report.INSERT_UPDATE, "tx/s", [6557.0, 6810.0, 6941.0]),
+    }
+    assert report.machine_noise(results, 0.01) == ""
+    assert report.machine_noise(results, None) == ""
+
+
+def test_a_noisy_machine_is_named_with_what_moved():
+    """Steal past 5 %, or a pgbench reference moving by more than a quarter between repetitions
+    (the same fixed work every time): the note says which, with the figures."""
+    steady = Result(report.INSERT_UPDATE, "tx/s", [6557.0, 6810.0, 6941.0])
+    moved = Result(report.SINGLE_INSERT, "tx/s", [1133.0, 1673.0, 1262.0])
+    note = report.machine_noise({steady.name: steady, moved.name: moved}, 0.12)
+    assert note.startswith("**The machine was not quiet during this run**")
+    assert "12% of its CPU time (steal)" in note
+    assert "pgbench single INSERT, -c 1 ranged over 1,133..1,673 tx/s (1.48x)" in note
+    assert report.INSERT_UPDATE not in note
+    assert report.machine_noise({steady.name: steady}, 0.2).count(";") == 0
+
+
+def test_the_note_is_on_both_tables_and_a_noisy_run_keeps_the_committed_page():
+    """The note is shown under the header of the run's table and of the page; a full run on a noisy
+    machine leaves the committed page alone unless a page is asked for."""
+    from tests.bench.__main__ import results_page
+
+    run = small_run(note="**The machine was not quiet during this run**: x.")
+    assert "\n**The machine was not quiet during this run**: x.\n" in report.run_markdown(run)
+    assert "\n**The machine was not quiet during this run**: x.\n" in report.results_page(run)
+    assert results_page(None, False, "") == report.RESULTS_PAGE
+    assert results_page(None, False, run.note) is None
+    assert results_page(None, True, "") is None
+    assert results_page(Path("/tmp/p.md"), False, run.note) == Path("/tmp/p.md")

@@ -20,6 +20,7 @@ from pathlib import Path
 
 from tests.bench import backlog, load, report
 from tests.bench import scripts as sql
+from tests.bench.harness import cpu_times, steal_share
 from tests.bench.report import RESULTS_PAGE, Run, machine_summary
 from tests.bench.workloads import Bench
 
@@ -213,6 +214,14 @@ def _arguments() -> argparse.Namespace:
     return ap.parse_args()
 
 
+def results_page(requested: Path | None, quick: bool, note: str) -> Path | None:
+    """Where the run's page goes: where asked, else the committed page for a full run on a quiet
+    machine (a noisy run, with its ``note``, must not replace a quiet machine's figures)."""
+    if requested is not None:
+        return requested
+    return None if quick or note else RESULTS_PAGE
+
+
 def main() -> None:
     args = _arguments()
     sizes = QUICK_SIZES if args.quick else FULL_SIZES
@@ -224,7 +233,7 @@ def main() -> None:
         admin = str(embedded_server(REPO / ".pgdata").get_uri())
     with_peers = _peers_installed()
     b = Bench(admin, args.quick)
-    measured_at, started = datetime.now(UTC), time.monotonic()
+    measured_at, started, cpu = datetime.now(UTC), time.monotonic(), cpu_times()
     try:
         machine = machine_summary(*b.server())
         for rep in range(repeat):
@@ -235,6 +244,8 @@ def main() -> None:
                 peer_workloads(b, sizes)
     finally:
         b.cleanup()
+    steal = steal_share(cpu)
+    note = report.machine_noise(b.results, steal)
     run = Run(
         b.results,
         measured_at,
@@ -243,9 +254,14 @@ def main() -> None:
         args.quick,
         time.monotonic() - started,
         dict(sizes),
-        extra=b.extra,
+        note=note,
+        extra={**b.extra, "steal_share": steal},
     )
-    page = args.results_page or (None if args.quick else RESULTS_PAGE)
+    page = results_page(args.results_page, args.quick, note)
+    if note and page is None and not args.quick:
+        print(
+            f"\n{note}\n{RESULTS_PAGE.relative_to(REPO)} left as it was: --results-page PATH writes this run anyway."
+        )
     print("\n" + report.run_markdown(run))
     for path in report.write(run, RESULTS, page):
         print(f"written: {path}")

@@ -178,3 +178,20 @@ def rss_mb(pid: int) -> float:
     except OSError:
         pass
     return 0.0
+
+
+def cpu_times() -> tuple[int, int] | None:
+    """The machine's CPU time so far, in ticks: (stolen by the hypervisor, all); None off Linux."""
+    try:
+        fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    except (OSError, ValueError):
+        return None
+    return (fields[7] if len(fields) > 7 else 0), sum(fields[:8])
+
+
+def steal_share(since: tuple[int, int] | None) -> float | None:
+    """The share of the machine's CPU time the hypervisor took since ``since`` (a ``cpu_times()``)."""
+    now = cpu_times()
+    if since is None or now is None or now[1] <= since[1]:
+        return None
+    return (now[0] - since[0]) / (now[1] - since[1])

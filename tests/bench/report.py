@@ -378,12 +378,43 @@ def checks_table(run: Run) -> list[str]:
     return lines
 
 
+# Whether the machine was quiet: the hypervisor's share of CPU time (steal) over the run, and how
+# far pgbench's own references (the same fixed work every repetition) moved between repetitions.
+# On a quiet machine (the run of 2026-12-03 16:44) they moved by 3 % and 6 %; on one shared with a
+# busy host (the same day, 19:14) by 48 % and 83 %.
+STEAL_LIMIT = 0.05
+SPREAD_LIMIT = 1.25
+STEADY_REFERENCES = (SINGLE_INSERT, INSERT_UPDATE)
+
+
+def machine_noise(results: Mapping[str, Result], steal_share: float | None) -> str:
+    """What made the machine noisy during the run, in one sentence; empty if it was quiet."""
+    found = []
+    if steal_share is not None and steal_share > STEAL_LIMIT:
+        found.append(f"the hypervisor took {steal_share:.0%} of its CPU time (steal)")
+    for name in STEADY_REFERENCES:
+        r = results.get(name)
+        if r is None or len(r.runs) < 2 or min(r.runs) <= 0:
+            continue
+        spread = max(r.runs) / min(r.runs)
+        if spread > SPREAD_LIMIT:
+            found.append(f"{name} ranged over {r.span()} {r.unit} ({spread:.2f}x) between repetitions")
+    if not found:
+        return ""
+    return (
+        "**The machine was not quiet during this run**: "
+        + "; ".join(found)
+        + ". Its ratios are noisy: compare them with a run on a quiet machine before reading anything into them."
+    )
+
+
 def run_markdown(run: Run) -> str:
     """The table printed at the end of a run and written to bench-results/bench-<time>.md."""
     lines = [
         f"# Postbox benchmark ({'quick' if run.quick else 'full'}), {run.measured_at:%Y-%m-%d %H:%M} UTC",
         "",
         f"{run.machine}. {_parameters(run)}. Medians with min..max.",
+        *(["", run.note] if run.note else []),
         "",
         *figures_table(run),
         "",
