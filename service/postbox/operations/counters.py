@@ -227,7 +227,7 @@ def record_claim(consumer: str, messages: Sequence[Any], seconds: float) -> None
         labels[label] = labels.get(label, 0) + 1
     for label, n in labels.items():
         _child(DELIVERIES, consumer, label).inc(n)
-    redelivered = sum(1 for m in messages if m.attempt > 1)
+    redelivered = len(messages) - labels.get("1", 0)
     if redelivered:
         _child(REDELIVERIES, consumer).inc(redelivered)
 
