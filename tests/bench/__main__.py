@@ -18,7 +18,7 @@ import time
 from datetime import UTC, datetime
 from pathlib import Path
 
-from tests.bench import backlog, load, report
+from tests.bench import backlog, instructions, load, report
 from tests.bench import scripts as sql
 from tests.bench.harness import cpu_times, steal_share
 from tests.bench.report import RESULTS_PAGE, Run, machine_summary
@@ -43,6 +43,8 @@ FULL_SIZES = {
     "ledger_rows": 50_000_000,
     "ledger_receives": 3000,
     "load_seconds": 60,
+    "count_batches": 8,
+    "count_singles": 1000,
 }
 QUICK_SIZES = {
     "single": 300,
@@ -60,6 +62,8 @@ QUICK_SIZES = {
     "ledger_rows": 500_000,
     "ledger_receives": 1200,
     "load_seconds": 5,
+    "count_batches": 2,
+    "count_singles": 200,
 }
 
 
@@ -158,6 +162,61 @@ def once_per_run(b: Bench, sizes: dict[str, int]) -> None:
     sustained(b, drain, sizes["load_seconds"], "batch_registry", names)
 
 
+def counted_workloads(b: Bench, sizes: dict[str, int], with_peers: bool) -> None:
+    """The receive workloads' server instructions per message, counted by callgrind in a throwaway
+    cluster of this machine's PostgreSQL (tests/bench/instructions.py), with pgqueuer's enqueue:
+    once per run, since a count does not vary."""
+    why = instructions.unavailable()
+    if why:
+        print(f"server instructions not counted: {why}")
+        return
+    batches, singles = sizes["count_batches"], sizes["count_singles"]
+    W = instructions.Workload
+    workloads = [
+        W(
+            report.COUNT_RECEIVE_SINGLE,
+            "postbox",
+            lambda u, n: instructions.postbox_singles(u, n, False),
+            1,
+            200,
+            singles,
+        ),
+        W(
+            report.COUNT_RECEIVE_SINGLE_KEYED,
+            "postbox",
+            lambda u, n: instructions.postbox_singles(u, n, True),
+            1,
+            200,
+            singles,
+        ),
+        W(
+            report.COUNT_RECEIVE_MANY_KEYED,
+            "postbox",
+            lambda u, n: instructions.postbox_batches(u, n, True),
+            500,
+            2,
+            batches,
+        ),
+        W(
+            report.COUNT_RECEIVE_MANY,
+            "postbox",
+            lambda u, n: instructions.postbox_batches(u, n, False),
+            500,
+            2,
+            batches,
+        ),
+    ]
+    if with_peers:
+        workloads += [
+            W(report.COUNT_PGQUEUER_SINGLE, "pgqueuer", instructions.pgqueuer_singles, 1, 200, singles),
+            W(report.COUNT_PGQUEUER_BATCH, "pgqueuer", instructions.pgqueuer_batches, 500, 2, batches),
+        ]
+    with instructions.cluster() as c:
+        instructions.prepare(c, with_peers)
+        for w in workloads:
+            b.record(w.name, "instructions", instructions.per_message(c, w))
+
+
 def sustained(b: Bench, drain: float, seconds: int, app: str, names: tuple[str, str, str]) -> None:
     """The sustained-load ladder with the handlers ``app``: its best rate, that rate's p99 and the
     workers' peak RSS, recorded under ``names``."""
@@ -242,6 +301,7 @@ def main() -> None:
             processing_workloads(b, sizes, first=rep == 0)
             if with_peers:
                 peer_workloads(b, sizes)
+        counted_workloads(b, sizes, with_peers)
     finally:
         b.cleanup()
     steal = steal_share(cpu)

@@ -69,6 +69,15 @@ PROCRASTINATE_ORDERED = "procrastinate drain, lock=<key>, 500 keys, 2 proc x 2"
 PROCRASTINATE = "procrastinate drain, unordered, 2 proc x 2"
 PGQUEUER = "pgqueuer drain, unordered, 2 proc x 2"
 PGQUEUER_LATENCY_P99 = "pgqueuer enqueue→handler at 200 msg/s, LISTEN/NOTIFY, p99"
+# Counted, not timed (tests/bench/instructions.py): the server's instructions per message.
+COUNT_RECEIVE_SINGLE = "server instructions per message: receive, 1 message per transaction"
+COUNT_RECEIVE_SINGLE_KEYED = (
+    "server instructions per message: receive with a key (500 keys), 1 per transaction"
+)
+COUNT_PGQUEUER_SINGLE = "server instructions per message: pgqueuer enqueue, 1 job per statement"
+COUNT_RECEIVE_MANY_KEYED = "server instructions per message: receive_many, 500 per transaction"
+COUNT_RECEIVE_MANY = "server instructions per message: receive_many, 500 per transaction, no keys"
+COUNT_PGQUEUER_BATCH = "server instructions per message: pgqueuer enqueue, 500 per statement"
 
 
 def relay_name(kind: str) -> str:
@@ -180,6 +189,13 @@ CHECKS: tuple[Check, ...] = (
     Check("ordered drain / pgqueuer unordered drain", DRAIN, PGQUEUER, (">=", 1.5)),
     Check("receive_many, no keys / pgqueuer batch enqueue", RECEIVE_MANY, PGQUEUER_BATCH, (">=", 1.0)),
     Check(
+        "pgqueuer's server instructions per message / receive_many's, no keys (counted: a busy machine"
+        " does not move it)",
+        COUNT_PGQUEUER_BATCH,
+        COUNT_RECEIVE_MANY,
+        detail=True,
+    ),
+    Check(
         "receive_many, no keys / pgqueuer batch enqueue with dedupe keys",
         RECEIVE_MANY,
         PGQUEUER_BATCH_DEDUPE,
@@ -187,6 +203,12 @@ CHECKS: tuple[Check, ...] = (
     ),
     Check(
         "receive_many over 500 keys / pgqueuer batch enqueue", RECEIVE_MANY_KEYED, PGQUEUER_BATCH, (">=", 1.0)
+    ),
+    Check(
+        "pgqueuer's server instructions per message / receive_many's over 500 keys (counted)",
+        COUNT_PGQUEUER_BATCH,
+        COUNT_RECEIVE_MANY_KEYED,
+        detail=True,
     ),
     Check(
         "pgbench ledger + inbox rows, 500 per statement / pgqueuer batch enqueue (storage floor)",
@@ -246,10 +268,22 @@ CHECKS: tuple[Check, ...] = (
     Check("worker peak RSS with a batch handler, MB", DRAIN_BATCH_RSS, target=("<=", 150)),
     Check("single receive / pgqueuer single enqueue", RECEIVE_SINGLE, PGQUEUER_SINGLE, (">=", 1.0)),
     Check(
+        "pgqueuer's server instructions per message / single receive's (counted)",
+        COUNT_PGQUEUER_SINGLE,
+        COUNT_RECEIVE_SINGLE,
+        detail=True,
+    ),
+    Check(
         "single receive with a key / pgqueuer single enqueue",
         RECEIVE_SINGLE_KEYED,
         PGQUEUER_SINGLE,
         (">=", 1.0),
+    ),
+    Check(
+        "pgqueuer's server instructions per message / single receive's with a key (counted)",
+        COUNT_PGQUEUER_SINGLE,
+        COUNT_RECEIVE_SINGLE_KEYED,
+        detail=True,
     ),
     Check("single receive / pgbench single INSERT", RECEIVE_SINGLE, SINGLE_INSERT, detail=True),
     Check(
