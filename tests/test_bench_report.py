@@ -251,3 +251,10 @@ def test_the_note_is_on_both_tables_and_a_noisy_run_keeps_the_committed_page():
     assert results_page(None, False, run.note) is None
     assert results_page(None, True, "") is None
     assert results_page(Path("/tmp/p.md"), False, run.note) == Path("/tmp/p.md")
+
+
+def test_a_noisy_run_says_its_counted_figures_still_hold():
+    moved = Result(report.SINGLE_INSERT, "tx/s", [1000.0, 2000.0, 1500.0])
+    counted = Result(report.COUNT_RECEIVE_MANY_KEYED, "instructions", [172_424.0])
+    assert "not timed: they hold" in report.machine_noise({moved.name: moved, counted.name: counted}, 0.0)
+    assert "not timed" not in report.machine_noise({moved.name: moved}, 0.0)

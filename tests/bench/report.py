@@ -78,6 +78,14 @@ COUNT_PGQUEUER_SINGLE = "server instructions per message: pgqueuer enqueue, 1 jo
 COUNT_RECEIVE_MANY_KEYED = "server instructions per message: receive_many, 500 per transaction"
 COUNT_RECEIVE_MANY = "server instructions per message: receive_many, 500 per transaction, no keys"
 COUNT_PGQUEUER_BATCH = "server instructions per message: pgqueuer enqueue, 500 per statement"
+COUNTED = (
+    COUNT_RECEIVE_SINGLE,
+    COUNT_RECEIVE_SINGLE_KEYED,
+    COUNT_PGQUEUER_SINGLE,
+    COUNT_RECEIVE_MANY_KEYED,
+    COUNT_RECEIVE_MANY,
+    COUNT_PGQUEUER_BATCH,
+)
 
 
 def relay_name(kind: str) -> str:
@@ -435,10 +443,12 @@ def machine_noise(results: Mapping[str, Result], steal_share: float | None) -> s
             found.append(f"{name} ranged over {r.span()} {r.unit} ({spread:.2f}x) between repetitions")
     if not found:
         return ""
+    counted = any(name in results for name in COUNTED)
     return (
         "**The machine was not quiet during this run**: "
         + "; ".join(found)
         + ". Its ratios are noisy: compare them with a run on a quiet machine before reading anything into them."
+        + (" The counted rows (server instructions per message) are not timed: they hold." if counted else "")
     )
 
 
