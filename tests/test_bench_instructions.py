@@ -40,6 +40,17 @@ def test_the_counted_single_receives_are_receives_one_message_each(conn):
     assert rows == [(str(i), str(i), {"i": i}) for i in range(10)]
 
 
+def test_the_counted_floor_writes_the_two_rows_of_a_receive(conn):
+    conn.execute("DEALLOCATE ALL")
+    _run(conn, instructions.two_rows_singles(1, 3))
+    conn.commit()
+    inbox = conn.execute(
+        "SELECT id::text = message_id, payload, state FROM postbox.inbox ORDER BY id"
+    ).fetchall()
+    assert inbox == [(True, {"i": i}, "ready") for i in range(3)]
+    assert conn.execute("SELECT count(*) FROM postbox.inbox_dedup").fetchone() == (3,)
+
+
 def test_the_counted_pgqueuer_enqueues_enqueue_its_jobs(empty_database):
     pytest.importorskip("pgqueuer", reason="pgqueuer is in the bench extra (make bench installs it)")
     import psycopg

@@ -16,6 +16,7 @@ import random
 import sys
 import time
 from datetime import UTC, datetime
+from functools import partial
 from pathlib import Path
 
 from tests.bench import backlog, instructions, load, report
@@ -170,46 +171,19 @@ def counted_workloads(b: Bench, sizes: dict[str, int], with_peers: bool) -> None
     if why:
         print(f"server instructions not counted: {why}")
         return
-    batches, singles = sizes["count_batches"], sizes["count_singles"]
-    W = instructions.Workload
+    single, batch = (1, 200, sizes["count_singles"]), (500, 2, sizes["count_batches"])  # size, warm, more
+    W, i = instructions.Workload, instructions
     workloads = [
-        W(
-            report.COUNT_RECEIVE_SINGLE,
-            "postbox",
-            lambda u, n: instructions.postbox_singles(u, n, False),
-            1,
-            200,
-            singles,
-        ),
-        W(
-            report.COUNT_RECEIVE_SINGLE_KEYED,
-            "postbox",
-            lambda u, n: instructions.postbox_singles(u, n, True),
-            1,
-            200,
-            singles,
-        ),
-        W(
-            report.COUNT_RECEIVE_MANY_KEYED,
-            "postbox",
-            lambda u, n: instructions.postbox_batches(u, n, True),
-            500,
-            2,
-            batches,
-        ),
-        W(
-            report.COUNT_RECEIVE_MANY,
-            "postbox",
-            lambda u, n: instructions.postbox_batches(u, n, False),
-            500,
-            2,
-            batches,
-        ),
+        W(report.COUNT_TWO_ROWS, "postbox", i.two_rows_singles, *single),
+        W(report.COUNT_RECEIVE_SINGLE, "postbox", partial(i.postbox_singles, keyed=False), *single),
+        W(report.COUNT_RECEIVE_SINGLE_KEYED, "postbox", partial(i.postbox_singles, keyed=True), *single),
+        W(report.COUNT_RECEIVE_MANY_KEYED, "postbox", partial(i.postbox_batches, keyed=True), *batch),
+        W(report.COUNT_RECEIVE_MANY, "postbox", partial(i.postbox_batches, keyed=False), *batch),
     ]
     if with_peers:
         workloads += [
-            W(report.COUNT_PGQUEUER_SINGLE, "pgqueuer", instructions.pgqueuer_singles, 1, 200, singles),
-            W(report.COUNT_PGQUEUER_BATCH, "pgqueuer", instructions.pgqueuer_batches, 500, 2, batches),
+            W(report.COUNT_PGQUEUER_SINGLE, "pgqueuer", i.pgqueuer_singles, *single),
+            W(report.COUNT_PGQUEUER_BATCH, "pgqueuer", i.pgqueuer_batches, *batch),
         ]
     with instructions.cluster() as c:
         instructions.prepare(c, with_peers)

@@ -87,6 +87,25 @@ def postbox_singles(units: int, size: int, keyed: bool) -> str:
     return _statements(prepare, (one(i) for i in range(units * size)))
 
 
+def two_rows_singles(units: int, size: int) -> str:
+    """``units * size`` times the two rows a receive writes, with the checks deduplication and one
+    head per key need, in one prepared statement and no function: a single receive's floor (the
+    statement of pgbench's reference, with the receive's payload hash)."""
+
+    def one(i: int) -> str:
+        return f"EXECUTE t('bench', {_lit(json.dumps({'i': i}))})"
+
+    prepare = (
+        "PREPARE t(text, jsonb) AS WITH n AS (SELECT nextval('postbox.inbox_id_seq') AS id),"
+        " d AS (INSERT INTO postbox.inbox_dedup (consumer, message_id, payload_hash, inbox_id)"
+        " SELECT $1, id::text, decode(md5($2::text), 'hex'), id FROM n ON CONFLICT DO NOTHING)"
+        " INSERT INTO postbox.inbox (id, consumer, message_id, key, position, payload, state)"
+        " SELECT id, $1, id::text, id::text, id, $2, 'ready' FROM n"
+        " ON CONFLICT (consumer, key) WHERE state <> 'pending' DO NOTHING"
+    )
+    return _statements(prepare, (one(i) for i in range(units * size)))
+
+
 def _pgqueuer_arrays(ids: range) -> str:
     """pgqueuer's enqueue parameters for jobs ``ids``, as tests/bench/peers.py enqueues them."""
     n = len(ids)

@@ -75,10 +75,14 @@ COUNT_RECEIVE_SINGLE_KEYED = (
     "server instructions per message: receive with a key (500 keys), 1 per transaction"
 )
 COUNT_PGQUEUER_SINGLE = "server instructions per message: pgqueuer enqueue, 1 job per statement"
+COUNT_TWO_ROWS = (
+    "server instructions per message: ledger + inbox INSERTs with their checks (no function), 1 per statement"
+)
 COUNT_RECEIVE_MANY_KEYED = "server instructions per message: receive_many, 500 per transaction"
 COUNT_RECEIVE_MANY = "server instructions per message: receive_many, 500 per transaction, no keys"
 COUNT_PGQUEUER_BATCH = "server instructions per message: pgqueuer enqueue, 500 per statement"
 COUNTED = (
+    COUNT_TWO_ROWS,
     COUNT_RECEIVE_SINGLE,
     COUNT_RECEIVE_SINGLE_KEYED,
     COUNT_PGQUEUER_SINGLE,
@@ -278,6 +282,13 @@ CHECKS: tuple[Check, ...] = (
     Check(
         "pgqueuer's server instructions per message / single receive's (counted)",
         COUNT_PGQUEUER_SINGLE,
+        COUNT_RECEIVE_SINGLE,
+        detail=True,
+    ),
+    Check(
+        "the two rows' server instructions alone (no function) / single receive's (counted: what the"
+        " receive function adds)",
+        COUNT_TWO_ROWS,
         COUNT_RECEIVE_SINGLE,
         detail=True,
     ),
