@@ -391,6 +391,9 @@ def run_fault(
             notes["relay attempts failed"] = _failed_sends(url)
             if isinstance(broker, KafkaBrokerLog):
                 notes["broker log reader replaced after a quiet spell"] = broker.reopened
+                notes["broker log reader errors"] = "; ".join(broker.errors[-3:])
+                if broker.longest_call_s > 1.0:  # a call is 0.2 s: only a stalled client shows
+                    notes["broker log reader's longest call (s)"] = round(broker.longest_call_s, 1)
         notes = {k: v for k, v in notes.items() if v}
         if drain is None:
             worker_tail = workers.log_tail(workers.spawned)

@@ -51,7 +51,10 @@ class KafkaBrokerLog(threading.Thread):
 
     A consumer can stay stalled after a cut (seen with many cuts in a row: its log read 55 records
     while a fresh reader found all 3,627 in the topic), so a reader that has had nothing for
-    ``QUIET_S`` is replaced by a new one that goes on from the next offset of each partition."""
+    ``QUIET_S`` is replaced by a new one that goes on from the next offset of each partition. The old
+    one is closed on a thread of its own: its close may wait on a connection the cut left behind,
+    and the log must go on reading meanwhile. A reader that raises is replaced too, its error kept
+    (``errors``) for the run's notes, never a silent end of the log."""
 
     QUIET_S = 2.0
 
@@ -61,6 +64,8 @@ class KafkaBrokerLog(threading.Thread):
         self._address = broker.bootstrap
         self.received: list[Delivery] = []
         self.reopened = 0
+        self.errors: list[str] = []
+        self.longest_call_s = 0.0  # the longest one turn of the log took (a call waits 0.2 s)
         self._halt = threading.Event()
         broker.create_topic(topic, PARTITIONS)
         self._positions: dict[int, int] = {}
@@ -90,33 +95,51 @@ class KafkaBrokerLog(threading.Thread):
         )
         return consumer
 
-    def run(self) -> None:
+    def _replace(self) -> None:
+        old, self._consumer = self._consumer, self._open()
+        self.reopened += 1
+        threading.Thread(target=old.close, name="chaos-kafka-log-close", daemon=True).start()
+
+    def _read(self) -> bool:
+        """One call's records into the log; whether there were any."""
         import json
+
+        got = False
+        for m in self._consumer.consume(500, 0.2):
+            if m.error() is not None:
+                continue
+            self._positions[m.partition()] = m.offset() + 1
+            got = True
+            headers = {k: v.decode() for k, v in m.headers() or []}
+            payload = json.loads(m.value())
+            self.received.append(
+                Delivery(
+                    headers["postbox-message-id"],
+                    headers["postbox-key"],
+                    payload["source"],
+                    payload["sequence"],
+                )
+            )
+        return got
+
+    def run(self) -> None:
         import time
 
         last = time.monotonic()
         try:
             while not self._halt.is_set():
-                for m in self._consumer.consume(500, 0.2):
-                    if m.error() is not None:
-                        continue
-                    self._positions[m.partition()] = m.offset() + 1
+                started = time.monotonic()
+                try:
+                    if self._read():
+                        last = time.monotonic()
+                except Exception as error:  # kept for the notes; the log goes on
+                    self.errors.append(repr(error))
+                    self._replace()
                     last = time.monotonic()
-                    headers = {k: v.decode() for k, v in m.headers() or []}
-                    payload = json.loads(m.value())
-                    self.received.append(
-                        Delivery(
-                            headers["postbox-message-id"],
-                            headers["postbox-key"],
-                            payload["source"],
-                            payload["sequence"],
-                        )
-                    )
                 if time.monotonic() - last > self.QUIET_S:
-                    self._consumer.close()
-                    self._consumer = self._open()
-                    self.reopened += 1
+                    self._replace()
                     last = time.monotonic()
+                self.longest_call_s = max(self.longest_call_s, time.monotonic() - started)
         finally:
             self._consumer.close()
 
