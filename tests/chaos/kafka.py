@@ -97,7 +97,6 @@ class KafkaBrokerLog(threading.Thread):
 
     def _replace(self) -> None:
         old, self._consumer = self._consumer, self._open()
-        self.reopened += 1
         threading.Thread(target=old.close, name="chaos-kafka-log-close", daemon=True).start()
 
     def _read(self) -> bool:
@@ -138,6 +137,7 @@ class KafkaBrokerLog(threading.Thread):
                     last = time.monotonic()
                 if time.monotonic() - last > self.QUIET_S:
                     self._replace()
+                    self.reopened += 1
                     last = time.monotonic()
                 self.longest_call_s = max(self.longest_call_s, time.monotonic() - started)
         finally:
