@@ -159,3 +159,29 @@ def test_a_batch_rechecks_its_keys_once_at_commit_not_once_per_queued_message(da
             " JOIN postbox.inbox i ON i.id = x.id ORDER BY 1"
         ).fetchall()
     assert claimed == [("k1-0",), ("k2-0",)]
+
+
+def test_a_queued_single_receive_files_one_check_for_its_key_and_the_inbox_has_no_insert_trigger(database):
+    """A single receive that queues a message behind its key's head files one check for that key,
+    made and gone at its commit; a receive that makes a head files none. The inbox itself has no
+    insert trigger: nothing per row at commit, and no trigger condition read back from the catalog
+    by every statement that inserts a head."""
+    with database.connect() as c:
+        insert_triggers = c.execute(
+            "SELECT tgname FROM pg_trigger WHERE tgrelid = 'postbox.inbox'::regclass"
+            " AND NOT tgisinternal AND tgtype & 4 <> 0"  # 4: TRIGGER_TYPE_INSERT
+        ).fetchall()
+        assert insert_triggers == []
+        postbox.receive(c, consumer="c", message_id="head", key="k", payload={})
+        assert c.execute("SELECT count(*) FROM postbox.inbox_commit_checks").fetchone() == (0,)
+        postbox.receive(c, consumer="c", message_id="next", key="k", payload={})
+        checks = c.execute("SELECT consumers, keys FROM postbox.inbox_commit_checks").fetchall()
+        assert checks == [(["c"], ["k"])]
+        c.commit()
+        assert c.execute("SELECT count(*) FROM postbox.inbox_commit_checks").fetchone() == (0,)
+        assert c.execute("SELECT count(*) FROM postbox.key_repairs").fetchone() == (0,)  # its head was there
+        claimed = c.execute(
+            "SELECT i.message_id FROM postbox.inbox_claim_v1('c', 'w', 10, interval '60 s', now()) x"
+            " JOIN postbox.inbox i ON i.id = x.id"
+        ).fetchall()
+        assert claimed == [("head",)]

@@ -29,6 +29,7 @@ RELEASED = {
     "0004": "59a9848a9ee6a8f67846add1a23b5eb294a5ab49177901c48642da3e962968bd",  # 0.3.0
     "0005": "47b9a39c5ed5762a6f1bc8abaf81561e7ea2e58a35ee8609dfcd670ff4f18c71",  # 0.4.0
     "0006": "64035637786862d6b8e86284bd62c460a21684ed64ffb6e4b88536b2290adebd",  # 0.5.0
+    "0007": "5dfdcafbee362412f61557f8668547a938317f522eeb7daca3f5d68d805466c2",  # 0.6.0
 }
 
 
@@ -85,7 +86,7 @@ def test_the_revision_files_name_no_sql_outside_the_package_data(revision):
 
 def test_the_schema_revision_the_code_needs_is_the_newest_it_ships():
     assert migrate.head_revision() == SCHEMA_REVISION
-    assert migrate.known_revisions() == ["0001", "0002", "0003", "0004", "0005", "0006"]
+    assert migrate.known_revisions() == ["0001", "0002", "0003", "0004", "0005", "0006", "0007"]
 
 
 def _postbox(url: str, *args: str) -> subprocess.CompletedProcess[str]:
