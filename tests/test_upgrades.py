@@ -275,3 +275,28 @@ def test_the_previous_release_keeps_working_on_the_new_schema_and_says_so(databa
     assert "Traceback" not in status.stderr
     check = previous.postbox("--database-url", database.url, "migrate", "--check")
     assert "Traceback" not in check.stderr, check.stderr
+
+
+@pytest.mark.parametrize("revision", ["0006", "0007"])
+def test_a_downgrade_leaves_exactly_the_previous_revisions_schema(pg_server, revision):
+    """A revision's downgrade restores what the revision before it made: a database upgraded to
+    ``revision`` and downgraded one step has the same tables, indexes, triggers, function bodies
+    and their settings, grants and comments as one built up to that previous revision."""
+    from contextlib import contextmanager
+
+    from tests.conftest import _cloned
+
+    previous_revision = _revision_module(revision).down_revision
+    cloned = contextmanager(_cloned)
+    with cloned(pg_server, "postbox_before", None) as before, cloned(pg_server, "postbox_back", None) as back:
+        migrate.upgrade(before.url, previous_revision)
+        migrate.upgrade(back.url, revision)
+        migrate.downgrade(back.url, previous_revision)
+        assert migrate.current_revision(back.url) == previous_revision
+        a, b = _catalog(before.url), _catalog(back.url)
+    for part in CATALOG:
+        only_before = {k: v for k, v in a[part].items() if b[part].get(k) != v}
+        only_back = {k: v for k, v in b[part].items() if a[part].get(k) != v}
+        assert only_before == only_back == {}, (
+            f"{part} differ:\nbuilt: {only_before}\ndowngraded: {only_back}"
+        )
