@@ -227,6 +227,16 @@ def _catalog(url: str) -> dict[str, dict[str, str]]:
         return {part: dict(c.execute(sql).fetchall()) for part, sql in CATALOG.items()}  # type: ignore[misc]
 
 
+def _assert_same_catalog(
+    a: dict[str, dict[str, str]], b: dict[str, dict[str, str]], a_name: str, b_name: str
+) -> None:
+    """Every part of two catalogs (:func:`_catalog`) is the same; else what only each side has."""
+    for part in CATALOG:
+        only_a = {k: v for k, v in a[part].items() if b[part].get(k) != v}
+        only_b = {k: v for k, v in b[part].items() if a[part].get(k) != v}
+        assert only_a == only_b == {}, f"{part} differ:\n{a_name}: {only_a}\n{b_name}: {only_b}"
+
+
 @pytest.fixture(scope="module")
 def previous(tmp_path_factory):
     from tests.previous_release import unpack
@@ -254,12 +264,7 @@ def test_a_database_upgraded_from_the_previous_release_is_identical_to_a_fresh_o
         migrate.upgrade(old.url)
         assert migrate.current_revision(old.url) == SCHEMA_REVISION
         a, b = _catalog(fresh.url), _catalog(old.url)
-    for part in CATALOG:
-        only_fresh = {k: v for k, v in a[part].items() if b[part].get(k) != v}
-        only_upgraded = {k: v for k, v in b[part].items() if a[part].get(k) != v}
-        assert only_fresh == only_upgraded == {}, (
-            f"{part} differ:\nfresh: {only_fresh}\nupgraded: {only_upgraded}"
-        )
+    _assert_same_catalog(a, b, "fresh", "upgraded")
     assert (
         len(a["functions"]) > 50
         and "worker_heartbeat_v2(text,text,text,text,integer,integer,text,text,boolean,timestamp with time zone)"
@@ -294,9 +299,4 @@ def test_a_downgrade_leaves_exactly_the_previous_revisions_schema(pg_server, rev
         migrate.downgrade(back.url, previous_revision)
         assert migrate.current_revision(back.url) == previous_revision
         a, b = _catalog(before.url), _catalog(back.url)
-    for part in CATALOG:
-        only_before = {k: v for k, v in a[part].items() if b[part].get(k) != v}
-        only_back = {k: v for k, v in b[part].items() if a[part].get(k) != v}
-        assert only_before == only_back == {}, (
-            f"{part} differ:\nbuilt: {only_before}\ndowngraded: {only_back}"
-        )
+    _assert_same_catalog(a, b, "built", "downgraded")
