@@ -132,9 +132,14 @@ def read_topic(bootstrap: str, topic: str, timeout: float = 15.0) -> list[dict]:
         except AssertionError:
             counts = {p: sum(1 for m in got if m.partition() == p) for p in parts}
             each = ", ".join(f"{p}: {counts[p]} of {m}" for p, m in zip(parts, marks, strict=True))
+            # Whether the reader saw records twice (the same offset, or the same key and value at
+            # another offset) tells a stalled or repeating reader from records missing at the broker.
+            offsets = len({(m.partition(), m.offset()) for m in got})
+            values = len({(m.key(), m.value()) for m in got})
             raise AssertionError(
                 f"read {len(got)} of the {wanted} records of {topic} within {timeout:g} s "
-                f"(per partition, read of [low, high) offsets: {each})"
+                f"(per partition, read of [low, high) offsets: {each}; distinct offsets read {offsets}, "
+                f"distinct keys and values {values})"
             ) from None
     finally:
         c.close()
