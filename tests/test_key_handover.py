@@ -1,8 +1,10 @@
 """The hand-over of a key's head when a producer commits while the head's completion is running.
 
 A completion deletes the head, takes the key's lock (tried, never waited for) and makes the first
-queued message of the key its next head; a producer that adds a message behind a head checks, at
-its commit and under the key's shared lock, that the head is still there, or files a repair. A
+queued message of the key its next head; a producer that adds a message behind a head checks,
+under the key's shared lock held to its commit, that the head is still there, or files a repair
+(a single receive under READ COMMITTED takes that lock as it queues the message, a batch and a
+snapshot older than the lock at commit). A
 producer that commits after the completion's statement began but before it took the key's lock
 must still be seen: otherwise its message stays queued behind a head that is gone, and no claim
 ever takes it. The completion is held in that window by a row lock on the head."""
@@ -161,27 +163,125 @@ def test_a_batch_rechecks_its_keys_once_at_commit_not_once_per_queued_message(da
     assert claimed == [("k1-0",), ("k2-0",)]
 
 
-def test_a_queued_single_receive_files_one_check_for_its_key_and_the_inbox_has_no_insert_trigger(database):
-    """A single receive that queues a message behind its key's head files one check for that key,
-    made and gone at its commit; a receive that makes a head files none. The inbox itself has no
-    insert trigger: nothing per row at commit, and no trigger condition read back from the catalog
-    by every statement that inserts a head."""
-    with database.connect() as c:
+def _key_lock(c, consumer: str, key: str) -> list[tuple[str, bool]]:
+    """The key's advisory lock (postbox.try_lock_key_v1's class 1) as pg_locks shows it, for any session."""
+    return c.execute(
+        "SELECT mode, granted FROM pg_locks WHERE locktype = 'advisory' AND classid = 1349471041"
+        " AND objid = hashtext(%s || '/' || %s)::oid",
+        (consumer, key),
+    ).fetchall()
+
+
+def _claim_ids(c) -> list[tuple[int, int]]:
+    return c.execute(
+        "SELECT id, attempt FROM postbox.inbox_claim_v1('c', 'w', 10, interval '60 s', now())"
+    ).fetchall()
+
+
+def _claimed_ids(c) -> list[str]:
+    rows = c.execute(
+        "SELECT i.message_id FROM postbox.inbox_claim_v1('c', 'w', 10, interval '60 s', now()) x"
+        " JOIN postbox.inbox i ON i.id = x.id ORDER BY x.id"
+    ).fetchall()
+    return [r[0] for r in rows]
+
+
+def test_a_queued_single_receive_holds_its_key_to_its_commit_and_files_no_check(database):
+    """Under READ COMMITTED a single receive that queues a message behind its key's head takes the
+    key's lock shared at once and holds it to its commit, with nothing left to do at commit (no
+    check row, no trigger); a receive that makes a head takes no key lock. The inbox itself has no
+    insert trigger."""
+    with database.connect() as c, database.connect(autocommit=True) as observer:
         insert_triggers = c.execute(
             "SELECT tgname FROM pg_trigger WHERE tgrelid = 'postbox.inbox'::regclass"
             " AND NOT tgisinternal AND tgtype & 4 <> 0"  # 4: TRIGGER_TYPE_INSERT
         ).fetchall()
         assert insert_triggers == []
         postbox.receive(c, consumer="c", message_id="head", key="k", payload={})
-        assert c.execute("SELECT count(*) FROM postbox.inbox_commit_checks").fetchone() == (0,)
+        assert _key_lock(observer, "c", "k") == []
         postbox.receive(c, consumer="c", message_id="next", key="k", payload={})
-        checks = c.execute("SELECT consumers, keys FROM postbox.inbox_commit_checks").fetchall()
-        assert checks == [(["c"], ["k"])]
+        assert _key_lock(observer, "c", "k") == [("ShareLock", True)]
+        assert c.execute("SELECT count(*) FROM postbox.inbox_commit_checks").fetchone() == (0,)
+        c.commit()
+        assert _key_lock(observer, "c", "k") == []
+        assert c.execute("SELECT count(*) FROM postbox.key_repairs").fetchone() == (0,)  # its head was there
+        assert _claimed_ids(c) == ["head"]
+
+
+@pytest.mark.parametrize("isolation", ["repeatable read", "serializable"])
+def test_under_repeatable_read_a_queued_single_receive_files_its_keys_check_at_commit(database, isolation):
+    """A snapshot older than the key's lock cannot be trusted to see the head: under REPEATABLE READ
+    and SERIALIZABLE the queued message's key is checked at commit instead (one check row, gone at
+    commit), and no key lock is held before it."""
+    with database.connect() as c, database.connect(autocommit=True) as observer:
+        postbox.receive(c, consumer="c", message_id="head", key="k", payload={})
+        c.commit()
+        c.execute(f"SET TRANSACTION ISOLATION LEVEL {isolation}")
+        postbox.receive(c, consumer="c", message_id="next", key="k", payload={})
+        assert c.execute("SELECT consumers, keys FROM postbox.inbox_commit_checks").fetchall() == [
+            (["c"], ["k"])
+        ]
+        assert _key_lock(observer, "c", "k") == []
         c.commit()
         assert c.execute("SELECT count(*) FROM postbox.inbox_commit_checks").fetchone() == (0,)
-        assert c.execute("SELECT count(*) FROM postbox.key_repairs").fetchone() == (0,)  # its head was there
-        claimed = c.execute(
-            "SELECT i.message_id FROM postbox.inbox_claim_v1('c', 'w', 10, interval '60 s', now()) x"
-            " JOIN postbox.inbox i ON i.id = x.id"
-        ).fetchall()
-        assert claimed == [("head",)]
+        assert c.execute("SELECT count(*) FROM postbox.key_repairs").fetchone() == (0,)
+
+
+def test_a_head_completed_while_a_producer_holds_its_key_hands_over_after_the_producers_commit(database):
+    """The head finishes while a producer that queued a message behind it is still open: the
+    completion does not wait for the producer (it files a repair), another key's messages go on
+    meanwhile, and the first claim after the producer's commit makes its message the head."""
+    with database.connect() as c, database.connect() as producer:
+        postbox.receive(c, consumer="c", message_id="head", key="k", payload={})
+        c.commit()
+        ((head, attempt),) = _claim_ids(c)
+        c.commit()
+        postbox.receive(producer, consumer="c", message_id="next", key="k", payload={})  # open: holds k
+        c.execute("SELECT postbox.inbox_complete_v1(%s, %s, now())", ([head], [attempt]))
+        c.commit()
+        assert c.execute("SELECT key FROM postbox.key_repairs").fetchall() == [("k",)]
+        postbox.receive(c, consumer="c", message_id="other", key="k2", payload={})
+        c.commit()
+        assert _claimed_ids(c) == ["other"]  # the repair waits for the producer; k2 does not
+        c.commit()
+        producer.commit()
+        assert _claimed_ids(c) == ["next"]
+        c.commit()
+        assert c.execute("SELECT count(*) FROM postbox.key_repairs").fetchone() == (0,)
+
+
+def test_a_receive_that_queues_while_its_heads_completion_holds_the_key_files_a_repair(database):
+    """The head is there when the receive decides to queue behind it, and gone by the time the
+    receive has the key's lock (the completion held the lock meanwhile and commits without seeing
+    the message): the receive files the repair itself, and the message is claimed next."""
+    with database.connect() as c, database.connect() as completer, database.connect() as producer:
+        postbox.receive(c, consumer="c", message_id="head", key="k", payload={})
+        c.commit()
+        # A completion in progress holds the key's lock exclusively (as a completion takes it).
+        assert completer.execute("SELECT postbox.try_lock_key_v1(1, 'c', 'k')").fetchone() == (True,)
+        done = threading.Event()
+        errors: list[BaseException] = []
+
+        def receive() -> None:
+            try:
+                postbox.receive(producer, consumer="c", message_id="next", key="k", payload={})
+                producer.commit()
+            except BaseException as error:  # reported below
+                errors.append(error)
+            finally:
+                done.set()
+
+        thread = threading.Thread(target=receive)
+        thread.start()
+        eventually(
+            lambda: _waiting_on_a_lock(database, producer.info.backend_pid), what="receive waits for the key"
+        )
+        # The receive has queued its message behind the head and waits for the key's lock: the
+        # completion now takes the head out and commits, without the message in its snapshot.
+        completer.execute("DELETE FROM postbox.inbox WHERE message_id = 'head'")
+        completer.commit()
+        assert done.wait(30), "the receive did not finish"
+        thread.join()
+        assert not errors, errors
+        assert c.execute("SELECT key FROM postbox.key_repairs").fetchall() == [("k",)]
+        assert _claimed_ids(c) == ["next"]

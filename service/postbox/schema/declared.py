@@ -21,7 +21,7 @@ from sqlalchemy import (
     Text,
     text,
 )
-from sqlalchemy.dialects.postgresql import JSONB
+from sqlalchemy.dialects.postgresql import DOMAIN, JSONB
 
 from postbox.schema.declared_base import C_TEXT, NOW, SCHEMA, TIMESTAMPTZ, metadata
 from postbox.schema.declared_receive import dedup_window, inbox_commit_checks, inbox_dedup, inbox_keys
@@ -48,6 +48,14 @@ __all__ = [
 
 _C, _TS, _NOW = C_TEXT, TIMESTAMPTZ, NOW
 _CLAIMABLE, _PENDING = "state IN ('ready', 'running')", "state = 'pending'"
+_STATES = "('pending', 'ready', 'running', 'blocked')"
+
+# The inbox's state: a domain holding the check (PostgreSQL prepares a domain's check once per
+# session, a table's CHECK for every inserting statement); the outbox keeps a CHECK.
+INBOX_STATE = DOMAIN(
+    "inbox_state", Text, check=f"VALUE IN {_STATES}", constraint_name="inbox_state_check", schema=SCHEMA,
+    create_type=False,
+)  # fmt: skip
 
 
 def _queue_table(name: str, queue: str, *, inbox: bool) -> Table:
@@ -77,7 +85,7 @@ def _queue_table(name: str, queue: str, *, inbox: bool) -> Table:
         Column("causation_id", Text),
         *only(inbox, Column("source", Text), Column("received_at", _TS, nullable=False, server_default=_NOW)),
         *only(not inbox, Column("created_at", _TS, nullable=False, server_default=_NOW)),
-        Column("state", Text, nullable=False),
+        Column("state", INBOX_STATE if inbox else Text, nullable=False),
         Column("available_at", _TS, nullable=False, server_default=_NOW),
         Column("attempt", Integer, nullable=False, server_default=text("0")),
         Column("first_failed_at", _TS),
@@ -88,7 +96,7 @@ def _queue_table(name: str, queue: str, *, inbox: bool) -> Table:
         Column("claimed_by", Text),
         Column("claimed_at", _TS),
         Column("replay_of", BigInteger),
-        CheckConstraint("state IN ('pending', 'ready', 'running', 'blocked')"),
+        *([] if inbox else [CheckConstraint(f"state IN {_STATES}")]),
         Index(f"{name}_head_uq", queue, "key", unique=True, postgresql_where=text("state <> 'pending'")),
         Index(f"{name}_claim_idx", queue, "available_at", "id", postgresql_where=text(_CLAIMABLE)),
         Index(f"{name}_pending_idx", queue, "key", "position", "id", postgresql_where=text(_PENDING)),
