@@ -3,9 +3,9 @@
 A completion deletes the head, takes the key's lock (tried, never waited for) and makes the first
 queued message of the key its next head; a producer that adds a message behind a head checks,
 under the key's shared lock held to its commit, that the head is still there, or files a repair
-(a single receive under READ COMMITTED takes that lock as it queues the message, a batch and a
-snapshot older than the lock at commit). A
-producer that commits after the completion's statement began but before it took the key's lock
+(under READ COMMITTED a single receive takes that lock as it queues the message and a batch before
+it looks for its keys' heads; a transaction whose snapshot is older than the lock does it at
+commit). A producer that commits after the completion's statement began but before it took the key's lock
 must still be seen: otherwise its message stays queued behind a head that is gone, and no claim
 ever takes it. The completion is held in that window by a row lock on the head."""
 
@@ -133,8 +133,9 @@ def test_a_keyed_batch_committed_during_its_heads_completion_is_claimed_in_order
 
 
 def test_a_batch_rechecks_its_keys_once_at_commit_not_once_per_queued_message(database):
-    """The heads of two keys finish while a batch queues five messages behind them: its commit files
-    one repair per key (one set-based check for the batch), and each key's first message is next."""
+    """The heads of two keys finish while a batch that queued five messages behind them is open: the
+    completions cannot take the keys' locks the batch holds and file one repair per key (nothing is
+    checked per queued message, nor at the batch's commit), and each key's first message is next."""
     with database.connect() as c:
         for key in ("k1", "k2"):
             postbox.receive(c, consumer="c", message_id=f"head-{key}", key=key, payload={})
@@ -285,3 +286,109 @@ def test_a_receive_that_queues_while_its_heads_completion_holds_the_key_files_a_
         assert not errors, errors
         assert c.execute("SELECT key FROM postbox.key_repairs").fetchall() == [("k",)]
         assert _claimed_ids(c) == ["next"]
+
+
+def _batch(keys_ids: list[tuple[str, str]]) -> list[dict[str, object]]:
+    return [{"consumer": "c", "message_id": m, "key": k, "payload": {}} for k, m in keys_ids]
+
+
+def test_a_keyed_batch_holds_its_keys_to_its_commit_and_files_no_check(database):
+    """Under READ COMMITTED a batch takes its keys' locks shared before it looks for their heads and
+    holds them to its commit: the heads it found are its queued messages' check, so nothing is left
+    for the commit (no check row) and no repair is filed while the heads are there."""
+    with database.connect() as c, database.connect(autocommit=True) as observer:
+        for key in ("k1", "k2"):
+            postbox.receive(c, consumer="c", message_id=f"head-{key}", key=key, payload={})
+        c.commit()
+        postbox.receive_many(c, _batch([("k1", "a"), ("k2", "b"), ("k1", "c")]))
+        assert _key_lock(observer, "c", "k1") == [("ShareLock", True)]
+        assert _key_lock(observer, "c", "k2") == [("ShareLock", True)]
+        assert c.execute("SELECT count(*) FROM postbox.inbox_commit_checks").fetchone() == (0,)
+        c.commit()
+        assert _key_lock(observer, "c", "k1") == [] and _key_lock(observer, "c", "k2") == []
+        assert c.execute("SELECT count(*) FROM postbox.key_repairs").fetchone() == (0,)
+        assert _claimed_ids(c) == ["head-k1", "head-k2"]
+
+
+@pytest.mark.parametrize("isolation", ["repeatable read", "serializable"])
+def test_under_repeatable_read_a_keyed_batch_files_its_keys_check_at_commit(database, isolation):
+    """A snapshot older than any lock cannot be trusted to see the heads: under REPEATABLE READ and
+    SERIALIZABLE the keys a batch queued under are checked at its commit (one check row naming each
+    key once, gone at commit), and no key lock is held before it."""
+    with database.connect() as c, database.connect(autocommit=True) as observer:
+        for key in ("k1", "k2"):
+            postbox.receive(c, consumer="c", message_id=f"head-{key}", key=key, payload={})
+        c.commit()
+        c.execute(f"SET TRANSACTION ISOLATION LEVEL {isolation}")
+        postbox.receive_many(c, _batch([("k1", "a"), ("k2", "b"), ("k1", "c")]))
+        ((consumers, keys),) = c.execute("SELECT consumers, keys FROM postbox.inbox_commit_checks").fetchall()
+        assert consumers == ["c", "c"] and sorted(keys) == ["k1", "k2"]
+        assert _key_lock(observer, "c", "k1") == []
+        c.commit()
+        assert c.execute("SELECT count(*) FROM postbox.inbox_commit_checks").fetchone() == (0,)
+        assert c.execute("SELECT count(*) FROM postbox.key_repairs").fetchone() == (0,)
+
+
+def test_a_keyed_batch_over_a_key_waiting_for_its_repair_queues_behind_it_and_files_one(database):
+    """The key's head finished while a producer that queued a message behind it was open, so the key
+    has a queued message and no head until the next claim repairs it. A batch on that key neither
+    overtakes the queued message nor leaves the key without a repair: it queues behind, files one,
+    and the key's messages are claimed in their order."""
+    with database.connect() as c, database.connect() as producer:
+        postbox.receive(c, consumer="c", message_id="head", key="k", payload={})
+        c.commit()
+        ((head, attempt),) = _claim_ids(c)
+        c.commit()
+        postbox.receive(producer, consumer="c", message_id="a", key="k", payload={})  # open: holds k
+        c.execute("SELECT postbox.inbox_complete_v1(%s, %s, now())", ([head], [attempt]))
+        c.commit()
+        producer.commit()
+        assert c.execute("SELECT count(*) FROM postbox.key_repairs").fetchone() == (1,)
+        postbox.receive_many(c, _batch([("k", "b0"), ("k", "b1")]))
+        assert c.execute(
+            "SELECT count(*) FROM postbox.inbox WHERE key = 'k' AND state <> 'pending'"
+        ).fetchone() == (0,)
+        assert c.execute("SELECT count(*) FROM postbox.key_repairs").fetchone() == (2,)
+        c.commit()
+        order = []
+        for _ in range(3):
+            ((mid, att),) = _claim_ids(c)
+            order += c.execute("SELECT message_id FROM postbox.inbox WHERE id = %s", (mid,)).fetchone()
+            c.execute("SELECT postbox.inbox_complete_v1(%s, %s, now())", ([mid], [att]))
+            c.commit()
+        assert order == ["a", "b0", "b1"]
+
+
+def test_a_keyed_batch_that_waits_for_its_key_while_the_heads_completion_holds_it_sees_the_outcome(database):
+    """A completion holds the key's lock when a batch arrives: the batch waits for it (the only wait
+    a producer can have, on a process that waits for no one), then sees the head gone and makes its
+    own first message the key's head, with no repair needed."""
+    with database.connect() as c, database.connect() as completer, database.connect() as producer:
+        postbox.receive(c, consumer="c", message_id="head", key="k", payload={})
+        c.commit()
+        assert completer.execute("SELECT postbox.try_lock_key_v1(1, 'c', 'k')").fetchone() == (True,)
+        done = threading.Event()
+        errors: list[BaseException] = []
+
+        def receive() -> None:
+            try:
+                postbox.receive_many(producer, _batch([("k", "b0"), ("k", "b1")]))
+                producer.commit()
+            except BaseException as error:  # reported below
+                errors.append(error)
+            finally:
+                done.set()
+
+        thread = threading.Thread(target=receive)
+        thread.start()
+        eventually(
+            lambda: _waiting_on_a_lock(database, producer.info.backend_pid),
+            what="the batch waits for the key",
+        )
+        completer.execute("DELETE FROM postbox.inbox WHERE message_id = 'head'")
+        completer.commit()
+        assert done.wait(30), "the batch did not finish"
+        thread.join()
+        assert not errors, errors
+        assert c.execute("SELECT count(*) FROM postbox.key_repairs").fetchone() == (0,)
+        assert _claimed_ids(c) == ["b0"]

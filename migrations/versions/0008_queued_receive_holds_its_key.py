@@ -1,10 +1,13 @@
-"""A single receive costs the server less, with the same results and guarantees.
+"""A single receive and a keyed batch cost the server less, with the same results and guarantees.
 
 * A receive that queues a message behind its key's head, under READ COMMITTED, takes the key's lock
   shared when it queues the message, holds it to its commit and looks for the head at once, instead
   of filing its key's check at commit (a row of postbox.inbox_commit_checks and a deferred
   trigger). Under REPEATABLE READ and SERIALIZABLE the check at commit stays. inbox_receive_v1
   keeps its signature and results (body replaced), so processes of earlier releases work on it.
+* A keyed batch does the same under READ COMMITTED: it takes its new messages' keys' locks shared
+  before it looks for their heads, so the heads it finds are its queued messages' check, with no
+  check row and no second look at commit. inbox_receive_rows_v1 keeps its signature and results.
 * The inbox's state column is of a domain, postbox.inbox_state, which holds the table's former
   CHECK (the same four states): PostgreSQL 15 re-reads and prepares a table's CHECK for every
   statement that inserts into it, and a domain's check once per session. The column changes type
@@ -34,6 +37,9 @@ FUNCTIONS = ["functions/inbox_receive_queue_lock_v1.sql"]
 # here). Its body says SECURITY DEFINER and its search_path too.
 RESTORED = "functions/inbox_receive_single_v1.sql"
 _RECEIVE = re.compile(r"^CREATE OR REPLACE FUNCTION postbox\.inbox_receive_v1\(.*?^\$\$;\n", re.M | re.S)
+# And the batch's core as revision 0004 made it (0005 to 0007 left it alone), from 0004's file.
+RESTORED_BATCH = "functions/inbox_receive_commit_check_v1.sql"
+_ROWS = re.compile(r"^CREATE OR REPLACE FUNCTION postbox\.inbox_receive_rows_v1\(.*?^\$\$;\n", re.M | re.S)
 
 STATES = "('pending', 'ready', 'running', 'blocked')"
 VIEWS = "postbox.blocked_keys, postbox.key_gaps, postbox.live_workers, postbox.inbox_by_attempt"
@@ -79,7 +85,7 @@ ALTER TABLE postbox.inbox ADD CONSTRAINT inbox_state_check CHECK (state IN {STAT
 DROP DOMAIN postbox.inbox_state;
 """
 
-RELEASED_SHA256 = "9732695216173a9a9ee137b80a97017d397e68f1444d5810c98d7462a7342c9f"
+RELEASED_SHA256 = "82d0031d04cdd411c639e32dc32e63bbfc9d4fbe44ae578994309b4cf50498d3"
 
 
 def statements() -> list[str]:
@@ -90,7 +96,9 @@ def statements() -> list[str]:
 def downgrade_statements() -> list[str]:
     receive = _RECEIVE.findall(sql_file_text(RESTORED))
     assert len(receive) == 1, "revision 0007's receive"
-    return [STATE_TEXT, _views(), *receive]
+    rows = _ROWS.findall(sql_file_text(RESTORED_BATCH))
+    assert len(rows) == 1, "revision 0004's batch core"
+    return [STATE_TEXT, _views(), *receive, *rows]
 
 
 def frozen() -> list[str]:

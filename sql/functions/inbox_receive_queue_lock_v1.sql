@@ -300,3 +300,246 @@ BEGIN
     inbox_id := v_id;
 END
 $$;
+
+-- The same for a batch: under READ COMMITTED a keyed batch takes its new messages' keys' locks
+-- shared before it looks for their heads, and holds them to its commit. The heads it finds then are
+-- the check its queued messages need, done once: a head seen after the lock cannot finish without
+-- handing over after our commit (its completion only tries the key's lock, and files a repair when
+-- it cannot take it), and a key with queued messages but no head gets its repair at once. A batch
+-- used to file a row of postbox.inbox_commit_checks naming the keys it queued under, whose trigger
+-- locked them and probed their heads again at commit; that stays for REPEATABLE READ and
+-- SERIALIZABLE (their snapshot predates the lock) and for a batch without keys whose messages
+-- queue behind earlier ones of the same id (it takes no locks). The batch also stops setting
+-- postbox.commit_check, which only the per-row trigger dropped in revision 0007 read.
+--
+-- inbox_receive_rows_v1 keeps its signature and results; its body is replaced (revision 0004's,
+-- in inbox_receive_commit_check_v1.sql, is what the downgrade restores). An internal helper: it
+-- runs inside the batch entry points, as their owner, so it is not SECURITY DEFINER.
+CREATE OR REPLACE FUNCTION postbox.inbox_receive_rows_v1(
+    consumers text[], message_ids text[], payloads jsonb[], keys text[], types text[], sequences bigint[],
+    headers jsonb[], schema_versions integer[], correlation_ids text[], causation_ids text[], sources text[])
+RETURNS TABLE (ordinality bigint, status text, inbox_id bigint)
+LANGUAGE plpgsql VOLATILE AS $$
+#variable_conflict use_column
+DECLARE
+    v_n         integer := coalesce(cardinality(message_ids), 0);
+    v_ids       bigint[];
+    v_new       bigint[];
+    v_all       boolean;
+    v_notify    text[];
+    v_keyless   boolean := keys IS NULL OR cardinality(array_remove(keys, NULL)) = 0;
+    v_plain     boolean := false;
+    v_tries     integer;
+    v_slot      smallint;
+    v_window    interval;
+    v_rc        boolean := current_setting('transaction_isolation') = 'read committed';
+    v_locked    boolean := false;
+    v_done      bigint[];
+BEGIN
+    IF v_n = 0 THEN
+        RETURN;
+    END IF;
+    -- The ledger's slot, read under the ledger's lock (as inbox_receive_v1 does).
+    LOCK TABLE ONLY postbox.inbox_dedup IN ROW EXCLUSIVE MODE;
+    SELECT w.current_slot, w.retention INTO v_slot, v_window FROM postbox.dedup_window w;
+    IF current_setting('transaction_isolation') <> 'read committed' THEN
+        PERFORM 1 FROM postbox.dedup_window FOR KEY SHARE;
+    END IF;
+    -- Ids are taken in the arrays' order, so a key keeps its order.
+    v_ids := ARRAY(SELECT s.id FROM (SELECT nextval('postbox.inbox_id_seq') AS id FROM generate_series(1, v_n)) s
+                    ORDER BY s.id);
+    v_tries := coalesce(nullif(current_setting('postbox.plain_batches', true), '')::integer, 0);
+    IF v_n >= 16 AND v_tries < 32 THEN
+        PERFORM set_config('postbox.plain_batches', (v_tries + 1)::text, true);
+        BEGIN
+            -- The first of each id, in the ledger's global order.
+            WITH d AS (
+                INSERT INTO postbox.inbox_dedup AS l (consumer, message_id, payload_hash, inbox_id, slot)
+                SELECT DISTINCT ON (u.consumer, u.message_id)
+                       u.consumer, u.message_id, decode(md5(u.payload::text), 'hex'), u.id, v_slot
+                  FROM unnest(consumers, message_ids, payloads, v_ids) AS u(consumer, message_id, payload, id)
+                 LEFT JOIN LATERAL (
+                      -- The previous slot's receipt of the id (an index probe), which counts inside the
+                      -- window, or while its message is live or dead-lettered.
+                      SELECT p.received_at, p.inbox_id FROM postbox.inbox_dedup p
+                       WHERE p.slot = 1 - v_slot AND p.consumer = u.consumer
+                         AND p.message_id = u.message_id
+                       LIMIT 1) prev ON true
+                 WHERE prev.received_at IS NULL
+                    OR (prev.received_at < now() - v_window
+                        AND NOT postbox.inbox_receipt_live_v1(u.consumer, u.message_id, prev.inbox_id))
+                 ORDER BY u.consumer, u.message_id, u.id
+                RETURNING l.inbox_id)
+            SELECT array_agg(d.inbox_id) INTO v_new FROM d;
+            v_all := coalesce(cardinality(v_new), 0) = v_n;
+            IF v_keyless THEN
+                -- Each new message is its own key (its id): its head, in the same global order
+                -- as below, unless messages queued under that key wait for theirs.
+                WITH h AS (
+                    INSERT INTO postbox.inbox AS i (id, consumer, message_id, key, sequence, position, type,
+                                                    schema_version, payload, headers, correlation_id,
+                                                    causation_id, source, state)
+                    SELECT u.id, u.consumer, u.message_id, u.message_id, u.sequence, u.id, u.type,
+                           coalesce(u.schema_version, 1), u.payload, coalesce(u.headers, '{}'::jsonb),
+                           u.correlation_id, u.causation_id, u.source, 'ready'
+                      FROM unnest(consumers, message_ids, payloads, types, sequences, headers, schema_versions,
+                                  correlation_ids, causation_ids, sources, v_ids)
+                           AS u(consumer, message_id, payload, type, sequence, headers, schema_version,
+                                correlation_id, causation_id, source, id)
+                      LEFT JOIN LATERAL (  -- an index probe per message (never a scan of the queue)
+                           SELECT true AS queued FROM postbox.inbox p
+                            WHERE p.consumer = u.consumer AND p.key = u.message_id AND p.state = 'pending'
+                            LIMIT 1) pend ON true
+                     WHERE (v_all OR u.id IN (SELECT unnest(v_new))) AND pend.queued IS NULL
+                     ORDER BY u.consumer, u.message_id
+                    RETURNING i.id, i.consumer)
+                SELECT array_agg(h.id), array_agg(DISTINCT h.consumer) INTO v_done, v_notify FROM h;
+            END IF;
+            v_plain := true;
+        EXCEPTION WHEN unique_violation THEN
+            v_done := NULL;
+            v_notify := NULL;
+        END;
+    END IF;
+    IF NOT v_plain THEN
+        -- The ledger keeps the first of each id: a message seen before, or earlier in this batch, is
+        -- not new. Only the three columns the ledger needs are read here. Rows go in in one global
+        -- order (by id), so batches carrying the same ids in different orders never deadlock.
+        WITH d AS (
+            INSERT INTO postbox.inbox_dedup AS l (consumer, message_id, payload_hash, inbox_id, slot)
+            SELECT u.consumer, u.message_id, decode(md5(u.payload::text), 'hex'), u.id, v_slot
+              FROM unnest(consumers, message_ids, payloads, v_ids) AS u(consumer, message_id, payload, id)
+             LEFT JOIN LATERAL (
+                  -- The previous slot's receipt of the id (an index probe), which counts inside the
+                  -- window, or while its message is live or dead-lettered.
+                  SELECT p.received_at, p.inbox_id FROM postbox.inbox_dedup p
+                   WHERE p.slot = 1 - v_slot AND p.consumer = u.consumer
+                     AND p.message_id = u.message_id
+                   LIMIT 1) prev ON true
+             WHERE prev.received_at IS NULL
+                OR (prev.received_at < now() - v_window
+                    AND NOT postbox.inbox_receipt_live_v1(u.consumer, u.message_id, prev.inbox_id))
+             ORDER BY u.consumer, u.message_id, u.id
+            ON CONFLICT DO NOTHING
+            RETURNING l.inbox_id)
+        SELECT array_agg(d.inbox_id) INTO v_new FROM d;
+        v_all := coalesce(cardinality(v_new), 0) = v_n;
+        IF NOT v_all THEN
+            -- Ids seen before outside the window (their message gone) are new again: the first of
+            -- each in the batch takes its ledger row over (one probe each; only redeliveries pay).
+            SELECT coalesce(v_new, '{}') || coalesce(array_agg(x.id) FILTER (
+                       WHERE postbox.inbox_dedup_take_expired_v1(x.consumer, x.message_id, x.hash, x.id,
+                                                                 v_slot, v_window)), '{}')
+              INTO v_new
+              FROM (SELECT DISTINCT ON (u.consumer, u.message_id)
+                           u.consumer, u.message_id, decode(md5(u.payload::text), 'hex') AS hash, u.id
+                      FROM unnest(consumers, message_ids, payloads, v_ids) AS u(consumer, message_id, payload, id)
+                     WHERE u.id <> ALL (coalesce(v_new, '{}'))
+                     ORDER BY u.consumer, u.message_id, u.id) x;
+            v_all := cardinality(v_new) = v_n;
+        END IF;
+    END IF;
+    IF NOT (v_plain AND v_keyless) THEN
+        IF v_rc THEN
+            -- Each new message's key is locked shared first and held to our commit, so the heads
+            -- found below are the check a queued message needs: a head seen after the lock cannot
+            -- finish without handing over after our commit (a completion only tries the key's lock,
+            -- and files a repair when it cannot take it). postbox.lock_key_shared_v1(1, ...), inline;
+            -- in any order: the key lock is only ever taken exclusively by trying, so no cycle forms.
+            PERFORM pg_advisory_xact_lock_shared(1349471041, hashtext(u.consumer || '/' || coalesce(u.key, u.message_id)))
+               FROM unnest(consumers, message_ids, keys, v_ids) AS u(consumer, message_id, key, id)
+              WHERE v_all OR u.id IN (SELECT unnest(v_new));
+            v_locked := true;
+        END IF;
+        -- The first new message of a key becomes its head, unless the key has a head already (then
+        -- it queues behind it, below) or queued messages without one (it queues behind them now, and
+        -- the key gets a repair). Keys are taken in one global order, so two batches starting the
+        -- same keys never wait for each other in a cycle.
+        WITH f AS (
+            SELECT u.id, u.consumer, u.message_id, coalesce(u.key, u.message_id) AS key, u.sequence, u.type,
+                   coalesce(u.schema_version, 1) AS schema_version, u.payload, coalesce(u.headers, '{}'::jsonb) AS headers,
+                   u.correlation_id, u.causation_id, u.source
+              FROM unnest(consumers, message_ids, payloads, keys, types, sequences, headers, schema_versions,
+                          correlation_ids, causation_ids, sources, v_ids)
+                   AS u(consumer, message_id, payload, key, type, sequence, headers, schema_version,
+                        correlation_id, causation_id, source, id)
+             WHERE v_all OR u.id IN (SELECT unnest(v_new))),
+        h AS (
+            INSERT INTO postbox.inbox AS i (id, consumer, message_id, key, sequence, position, type, schema_version,
+                                            payload, headers, correlation_id, causation_id, source, state)
+            SELECT DISTINCT ON (f.consumer, f.key)
+                   f.id, f.consumer, f.message_id, f.key, f.sequence, f.id, f.type, f.schema_version,
+                   f.payload, f.headers, f.correlation_id, f.causation_id, f.source,
+                   CASE WHEN busy.kind IS NULL THEN 'ready' ELSE 'pending' END
+              FROM f
+              -- Index probes per message (never a scan of the queue): the key's head, if any, else
+              -- its queued messages, which it must not overtake.
+              LEFT JOIN LATERAL (
+                   (SELECT 'head'::text AS kind FROM postbox.inbox x
+                     WHERE x.consumer = f.consumer AND x.key = f.key AND x.state <> 'pending'
+                     LIMIT 1)
+                   UNION ALL
+                   (SELECT 'queue' FROM postbox.inbox p
+                     WHERE p.consumer = f.consumer AND p.key = f.key AND p.state = 'pending' AND p.position < f.id
+                     LIMIT 1)
+                   LIMIT 1) busy ON true
+             WHERE busy.kind IS DISTINCT FROM 'head'
+             ORDER BY f.consumer, f.key, f.id
+            ON CONFLICT (consumer, key) WHERE state <> 'pending' DO NOTHING
+            RETURNING i.id, i.consumer, i.key, i.state),
+        r AS (
+            INSERT INTO postbox.key_repairs (origin, queue, key)
+            SELECT 'inbox', h.consumer, h.key FROM h WHERE h.state = 'pending')
+        SELECT array_agg(h.id), array_agg(DISTINCT h.consumer) FILTER (WHERE h.state <> 'pending')
+          INTO v_done, v_notify FROM h;
+    END IF;
+    IF coalesce(cardinality(v_done), 0) < coalesce(cardinality(v_new), 0) THEN
+        -- Everything else new is queued behind its key's head (in this batch or before it).
+        WITH q AS (
+            INSERT INTO postbox.inbox AS i (id, consumer, message_id, key, sequence, position, type, schema_version,
+                                            payload, headers, correlation_id, causation_id, source, state)
+            SELECT u.id, u.consumer, u.message_id, coalesce(u.key, u.message_id), u.sequence, u.id, u.type,
+                   coalesce(u.schema_version, 1), u.payload, coalesce(u.headers, '{}'::jsonb), u.correlation_id,
+                   u.causation_id, u.source, 'pending'
+              FROM unnest(consumers, message_ids, payloads, keys, types, sequences, headers, schema_versions,
+                          correlation_ids, causation_ids, sources, v_ids)
+                   AS u(consumer, message_id, payload, key, type, sequence, headers, schema_version,
+                        correlation_id, causation_id, source, id)
+             WHERE (v_all OR u.id IN (SELECT unnest(v_new)))
+               AND u.id NOT IN (SELECT unnest(coalesce(v_done, '{}')))
+             ORDER BY u.id
+            RETURNING i.consumer, i.key)
+        -- Keys not locked above (under REPEATABLE READ, whose snapshot predates any lock, or a batch
+        -- without keys whose messages queued behind earlier ones of the same id) are checked at
+        -- commit instead (inbox_commit_check_v1): locked, then their heads looked for.
+        INSERT INTO postbox.inbox_commit_checks (consumers, keys)
+        SELECT array_agg(k.consumer), array_agg(k.key) FROM (SELECT DISTINCT q.consumer, q.key FROM q) k
+        WHERE NOT v_locked
+        HAVING count(*) > 0;
+    END IF;
+    IF v_notify IS NOT NULL AND postbox.notify_enabled_v1() THEN
+        PERFORM pg_notify('postbox_inbox', c) FROM unnest(v_notify) AS c;
+    END IF;
+    IF v_all THEN
+        RETURN QUERY SELECT u.n, 'new'::text, u.id FROM unnest(v_ids) WITH ORDINALITY AS u(id, n);
+        RETURN;
+    END IF;
+    -- Not new: a duplicate or a conflict with what the ledger holds (a fresh snapshot sees a
+    -- concurrent receive of the same id that committed while this one waited for it).
+    RETURN QUERY
+    SELECT x.n, CASE WHEN x.fresh THEN 'new'
+                     WHEN l.payload_hash = decode(md5(x.payload::text), 'hex') THEN 'duplicate'
+                     ELSE 'conflict' END,
+           CASE WHEN x.fresh THEN x.id ELSE l.inbox_id END
+      FROM (SELECT u.n, u.id, u.consumer, u.message_id, u.payload, u.id IN (SELECT unnest(v_new)) AS fresh
+              FROM unnest(v_ids, consumers, message_ids, payloads) WITH ORDINALITY
+                   AS u(id, consumer, message_id, payload, n)) x
+      LEFT JOIN LATERAL (
+           -- The latest receipt decides (the previous slot may hold an earlier one).
+           SELECT d.payload_hash, d.inbox_id FROM postbox.inbox_dedup d
+            WHERE NOT x.fresh AND d.consumer = x.consumer AND d.message_id = x.message_id
+            ORDER BY d.received_at DESC
+            LIMIT 1) l ON true
+     ORDER BY x.n;
+END
+$$;
