@@ -85,7 +85,7 @@ ALTER TABLE postbox.inbox ADD CONSTRAINT inbox_state_check CHECK (state IN {STAT
 DROP DOMAIN postbox.inbox_state;
 """
 
-RELEASED_SHA256 = "82d0031d04cdd411c639e32dc32e63bbfc9d4fbe44ae578994309b4cf50498d3"
+RELEASED_SHA256 = "2c62d19413a8c3c13640594223b251a5dfbca58d7e9e70a9abf0b4361b18d1bc"
 
 
 def statements() -> list[str]:

@@ -335,6 +335,8 @@ DECLARE
     v_rc        boolean := current_setting('transaction_isolation') = 'read committed';
     v_locked    boolean := false;
     v_done      bigint[];
+    v_lead      bigint[];
+    v_behind    bigint[];
 BEGIN
     IF v_n = 0 THEN
         RETURN;
@@ -451,50 +453,55 @@ BEGIN
               WHERE v_all OR u.id IN (SELECT unnest(v_new));
             v_locked := true;
         END IF;
-        -- The first new message of a key becomes its head, unless the key has a head already (then
-        -- it queues behind it, below) or queued messages without one (it queues behind them now, and
-        -- the key gets a repair). Keys are taken in one global order, so two batches starting the
-        -- same keys never wait for each other in a cycle.
-        WITH f AS (
-            SELECT u.id, u.consumer, u.message_id, coalesce(u.key, u.message_id) AS key, u.sequence, u.type,
-                   coalesce(u.schema_version, 1) AS schema_version, u.payload, coalesce(u.headers, '{}'::jsonb) AS headers,
-                   u.correlation_id, u.causation_id, u.source
-              FROM unnest(consumers, message_ids, payloads, keys, types, sequences, headers, schema_versions,
-                          correlation_ids, causation_ids, sources, v_ids)
-                   AS u(consumer, message_id, payload, key, type, sequence, headers, schema_version,
-                        correlation_id, causation_id, source, id)
-             WHERE v_all OR u.id IN (SELECT unnest(v_new))),
-        h AS (
-            INSERT INTO postbox.inbox AS i (id, consumer, message_id, key, sequence, position, type, schema_version,
-                                            payload, headers, correlation_id, causation_id, source, state)
-            SELECT DISTINCT ON (f.consumer, f.key)
-                   f.id, f.consumer, f.message_id, f.key, f.sequence, f.id, f.type, f.schema_version,
-                   f.payload, f.headers, f.correlation_id, f.causation_id, f.source,
-                   CASE WHEN busy.kind IS NULL THEN 'ready' ELSE 'pending' END
-              FROM f
-              -- Index probes per message (never a scan of the queue): the key's head, if any, else
-              -- its queued messages, which it must not overtake.
-              LEFT JOIN LATERAL (
-                   (SELECT 'head'::text AS kind FROM postbox.inbox x
-                     WHERE x.consumer = f.consumer AND x.key = f.key AND x.state <> 'pending'
-                     LIMIT 1)
-                   UNION ALL
-                   (SELECT 'queue' FROM postbox.inbox p
-                     WHERE p.consumer = f.consumer AND p.key = f.key AND p.state = 'pending' AND p.position < f.id
-                     LIMIT 1)
-                   LIMIT 1) busy ON true
-             WHERE busy.kind IS DISTINCT FROM 'head'
-             ORDER BY f.consumer, f.key, f.id
-            ON CONFLICT (consumer, key) WHERE state <> 'pending' DO NOTHING
-            RETURNING i.id, i.consumer, i.key, i.state),
-        r AS (
-            INSERT INTO postbox.key_repairs (origin, queue, key)
-            SELECT 'inbox', h.consumer, h.key FROM h WHERE h.state = 'pending')
-        SELECT array_agg(h.id), array_agg(DISTINCT h.consumer) FILTER (WHERE h.state <> 'pending')
-          INTO v_done, v_notify FROM h;
+        -- The first new message of each key, unless the key has a head already (then the message
+        -- queues behind it, below): it becomes the head, or, if the key has queued messages and no
+        -- head, queues behind them and files the key's repair. Found from four columns, with index
+        -- probes per message (never a scan of the queue); only such messages pay for a second pass.
+        SELECT array_agg(x.id), array_agg(x.id) FILTER (WHERE x.kind = 'queue')
+          INTO v_lead, v_behind
+          FROM (SELECT DISTINCT ON (u.consumer, u.key) u.id, busy.kind
+                  FROM (SELECT u.consumer, coalesce(u.key, u.message_id) AS key, u.id
+                          FROM unnest(consumers, message_ids, keys, v_ids) AS u(consumer, message_id, key, id)
+                         WHERE v_all OR u.id IN (SELECT unnest(v_new))) u
+                  LEFT JOIN LATERAL (
+                       (SELECT 'head'::text AS kind FROM postbox.inbox x
+                         WHERE x.consumer = u.consumer AND x.key = u.key AND x.state <> 'pending'
+                         LIMIT 1)
+                       UNION ALL
+                       (SELECT 'queue' FROM postbox.inbox p
+                         WHERE p.consumer = u.consumer AND p.key = u.key AND p.state = 'pending' AND p.position < u.id
+                         LIMIT 1)
+                       LIMIT 1) busy ON true
+                 WHERE busy.kind IS DISTINCT FROM 'head'
+                 ORDER BY u.consumer, u.key, u.id) x;
+        IF v_lead IS NOT NULL THEN
+            -- Keys are taken in one global order, so two batches starting the same keys never wait
+            -- for each other in a cycle.
+            WITH h AS (
+                INSERT INTO postbox.inbox AS i (id, consumer, message_id, key, sequence, position, type, schema_version,
+                                                payload, headers, correlation_id, causation_id, source, state)
+                SELECT u.id, u.consumer, u.message_id, coalesce(u.key, u.message_id), u.sequence, u.id, u.type,
+                       coalesce(u.schema_version, 1), u.payload, coalesce(u.headers, '{}'::jsonb), u.correlation_id,
+                       u.causation_id, u.source,
+                       CASE WHEN u.id = ANY (coalesce(v_behind, '{}')) THEN 'pending' ELSE 'ready' END
+                  FROM unnest(consumers, message_ids, payloads, keys, types, sequences, headers, schema_versions,
+                              correlation_ids, causation_ids, sources, v_ids)
+                       AS u(consumer, message_id, payload, key, type, sequence, headers, schema_version,
+                            correlation_id, causation_id, source, id)
+                 WHERE u.id IN (SELECT unnest(v_lead))
+                 ORDER BY u.consumer, coalesce(u.key, u.message_id), u.id
+                ON CONFLICT (consumer, key) WHERE state <> 'pending' DO NOTHING
+                RETURNING i.id, i.consumer, i.key, i.state),
+            r AS (
+                INSERT INTO postbox.key_repairs (origin, queue, key)
+                SELECT 'inbox', h.consumer, h.key FROM h WHERE h.state = 'pending')
+            SELECT array_agg(h.id), array_agg(DISTINCT h.consumer) FILTER (WHERE h.state <> 'pending')
+              INTO v_done, v_notify FROM h;
+        END IF;
     END IF;
     IF coalesce(cardinality(v_done), 0) < coalesce(cardinality(v_new), 0) THEN
-        -- Everything else new is queued behind its key's head (in this batch or before it).
+        -- Everything else new is queued behind its key's head (in this batch or before it), in any
+        -- order: a queued row conflicts with nothing (its position, its id, orders its key).
         WITH q AS (
             INSERT INTO postbox.inbox AS i (id, consumer, message_id, key, sequence, position, type, schema_version,
                                             payload, headers, correlation_id, causation_id, source, state)
@@ -507,7 +514,6 @@ BEGIN
                         correlation_id, causation_id, source, id)
              WHERE (v_all OR u.id IN (SELECT unnest(v_new)))
                AND u.id NOT IN (SELECT unnest(coalesce(v_done, '{}')))
-             ORDER BY u.id
             RETURNING i.consumer, i.key)
         -- Keys not locked above (under REPEATABLE READ, whose snapshot predates any lock, or a batch
         -- without keys whose messages queued behind earlier ones of the same id) are checked at
