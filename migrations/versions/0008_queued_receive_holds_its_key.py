@@ -85,7 +85,7 @@ ALTER TABLE postbox.inbox ADD CONSTRAINT inbox_state_check CHECK (state IN {STAT
 DROP DOMAIN postbox.inbox_state;
 """
 
-RELEASED_SHA256 = "2c62d19413a8c3c13640594223b251a5dfbca58d7e9e70a9abf0b4361b18d1bc"
+RELEASED_SHA256 = "a232f1f587855cdce1bf63cb58648c6e2af7bba0ab933f49bda33275d1ded720"
 
 
 def statements() -> list[str]:

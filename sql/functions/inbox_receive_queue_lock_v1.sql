@@ -443,36 +443,33 @@ BEGIN
     END IF;
     IF NOT (v_plain AND v_keyless) THEN
         IF v_rc THEN
-            -- Each new message's key is locked shared first and held to our commit, so the heads
+            -- Each message's key (a duplicate's too: harmless, and cheaper than leaving it out) is
+            -- locked shared first and held to our commit, so the heads
             -- found below are the check a queued message needs: a head seen after the lock cannot
             -- finish without handing over after our commit (a completion only tries the key's lock,
             -- and files a repair when it cannot take it). postbox.lock_key_shared_v1(1, ...), inline;
             -- in any order: the key lock is only ever taken exclusively by trying, so no cycle forms.
             PERFORM pg_advisory_xact_lock_shared(1349471041, hashtext(u.consumer || '/' || coalesce(u.key, u.message_id)))
-               FROM unnest(consumers, message_ids, keys, v_ids) AS u(consumer, message_id, key, id)
-              WHERE v_all OR u.id IN (SELECT unnest(v_new));
+               FROM unnest(consumers, message_ids, keys) AS u(consumer, message_id, key);
             v_locked := true;
         END IF;
         -- The first new message of each key, unless the key has a head already (then the message
         -- queues behind it, below): it becomes the head, or, if the key has queued messages and no
         -- head, queues behind them and files the key's repair. Found from four columns, with index
-        -- probes per message (never a scan of the queue); only such messages pay for a second pass.
-        SELECT array_agg(x.id), array_agg(x.id) FILTER (WHERE x.kind = 'queue')
+        -- probes per message (OFFSET 0 keeps the head's a probe per message: never a join over the
+        -- queue, whatever the statistics say); only such messages pay for a second pass.
+        SELECT array_agg(x.id), array_agg(x.id) FILTER (WHERE x.queued)
           INTO v_lead, v_behind
-          FROM (SELECT DISTINCT ON (u.consumer, u.key) u.id, busy.kind
+          FROM (SELECT DISTINCT ON (u.consumer, u.key) u.id,
+                       EXISTS (SELECT 1 FROM postbox.inbox p
+                                WHERE p.consumer = u.consumer AND p.key = u.key AND p.state = 'pending'
+                                  AND p.position < u.id) AS queued
                   FROM (SELECT u.consumer, coalesce(u.key, u.message_id) AS key, u.id
                           FROM unnest(consumers, message_ids, keys, v_ids) AS u(consumer, message_id, key, id)
                          WHERE v_all OR u.id IN (SELECT unnest(v_new))) u
-                  LEFT JOIN LATERAL (
-                       (SELECT 'head'::text AS kind FROM postbox.inbox x
-                         WHERE x.consumer = u.consumer AND x.key = u.key AND x.state <> 'pending'
-                         LIMIT 1)
-                       UNION ALL
-                       (SELECT 'queue' FROM postbox.inbox p
-                         WHERE p.consumer = u.consumer AND p.key = u.key AND p.state = 'pending' AND p.position < u.id
-                         LIMIT 1)
-                       LIMIT 1) busy ON true
-                 WHERE busy.kind IS DISTINCT FROM 'head'
+                 WHERE NOT EXISTS (SELECT 1 FROM postbox.inbox x
+                                    WHERE x.consumer = u.consumer AND x.key = u.key AND x.state <> 'pending'
+                                   OFFSET 0)
                  ORDER BY u.consumer, u.key, u.id) x;
         IF v_lead IS NOT NULL THEN
             -- Keys are taken in one global order, so two batches starting the same keys never wait
@@ -513,7 +510,7 @@ BEGIN
                    AS u(consumer, message_id, payload, key, type, sequence, headers, schema_version,
                         correlation_id, causation_id, source, id)
              WHERE (v_all OR u.id IN (SELECT unnest(v_new)))
-               AND u.id NOT IN (SELECT unnest(coalesce(v_done, '{}')))
+               AND (v_done IS NULL OR u.id NOT IN (SELECT unnest(v_done)))
             RETURNING i.consumer, i.key)
         -- Keys not locked above (under REPEATABLE READ, whose snapshot predates any lock, or a batch
         -- without keys whose messages queued behind earlier ones of the same id) are checked at
