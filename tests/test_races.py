@@ -275,8 +275,8 @@ def test_claim_and_promote_use_their_indexes_with_a_large_backlog(db):
 
 def test_keyed_batches_racing_workers_never_orphan_a_message(db):
     """Batches queue messages behind three hot keys while workers finish heads as fast as they can
-    (the batch's commit check races each completion): every message is processed, in each
-    producer's order, and no commit check is left behind."""
+    (each completion races a batch that holds the key, or looks for its head): every message is
+    processed, in each producer's order, and no commit check is left behind."""
     url = db.url
     w = _recording_worker(url, batch_size=1)
     rounds, size = 30, 12
