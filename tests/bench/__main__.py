@@ -156,6 +156,12 @@ def once_per_run(b: Bench, sizes: dict[str, int]) -> None:
     b.record(report.LEDGER_BIG, "ms", big)
     b.record(report.LEDGER_FILL, "s", took)
     drain = b.results[report.DRAIN].runs[-1]
+    # What bounds the ladder: its producers alone, and with the drain alone at the workers' batch,
+    # what the two can do sharing the machine's cores.
+    alone = load.producers_alone(b, sizes["drain"])
+    b.record(report.PRODUCERS_ALONE, "msg/s", alone)
+    drain_10 = b.results[report.DRAIN_10].runs[-1]
+    b.record(report.SUSTAINED_CEILING, "msg/s", 1 / (1 / alone + 1 / drain_10))
     names = (report.SUSTAINED, report.SUSTAINED_P99, report.SUSTAINED_RSS)
     sustained(b, drain, sizes["load_seconds"], "registry", names)
     # The same ladder (the same rates) with a batch handler.

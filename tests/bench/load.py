@@ -79,7 +79,7 @@ def _producer(url: str, p: int, commands: Any, results: Any) -> None:
         results.put(("ready", p))
         while (command := commands.get()) is not None:
             tag, rate, seconds, start = command
-            n, new = int(rate * seconds), 0
+            n, new = round(rate * seconds), 0
             for i in range(0, n, BATCH):
                 delay = start + i / rate - time.time()
                 if delay > 0:
@@ -218,6 +218,42 @@ class Load:
         for w in (*self.workers, self.maintain):
             _stopped(w)
         self.conn.close()
+
+
+def producers_alone(b: Harness, messages: int) -> float:
+    """The producers of the ladder alone on the machine (no worker, no maintenance): the same
+    processes sending ``messages`` in all, as fast as they can; msg/s. With the drain alone at the
+    workers' batch (``DRAIN_10``), it gives what producers and workers together can do when they
+    share the machine's cores: 1 / (1/producers + 1/drain)."""
+    url = b.fresh()
+    ctx = multiprocessing.get_context("spawn")
+    results = ctx.Queue()
+    commands = [ctx.Queue() for _ in range(PRODUCERS)]
+    procs = [
+        ctx.Process(target=_producer, args=(url, p, commands[p], results), daemon=True)
+        for p in range(PRODUCERS)
+    ]
+    try:
+        for proc in procs:
+            proc.start()
+        for _ in range(PRODUCERS):
+            results.get(timeout=60)
+        # A rate no producer keeps up with: each sends its share at once, from ``start`` on.
+        rate, start = 1e9, time.time() + 0.2
+        for q in commands:
+            q.put(("alone", rate, messages / PRODUCERS / rate, start))
+        replies = [results.get(timeout=600) for _ in range(PRODUCERS)]
+        n, last = sum(r[0] for r in replies), max(r[1] for r in replies)
+        if n != messages:
+            raise AssertionError(f"producers alone: {n} of {messages} messages received as new")
+        return n / (last - start)
+    finally:
+        for q in commands:
+            q.put(None)
+        for proc in procs:
+            if proc.pid is not None:  # started
+                proc.join(30)
+        b.drop(url)
 
 
 def _ladder(url: str, drain_rate: float, seconds: float, app: str) -> tuple[Load, list[Rung]]:

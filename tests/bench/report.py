@@ -63,6 +63,13 @@ SUSTAINED_RSS = "worker peak RSS under sustained load"
 SUSTAINED_BATCH = "sustained load with a batch handler: highest rate with a bounded backlog and p99 < 100 ms"
 SUSTAINED_BATCH_P99 = "sustained load with a batch handler: receive→commit p99 at that rate"
 SUSTAINED_BATCH_RSS = "worker peak RSS under sustained load with a batch handler"
+PRODUCERS_ALONE = (
+    "sustained load's producers alone, as fast as they go (2 proc, receive_many of 10 per transaction)"
+)
+SUSTAINED_CEILING = (
+    "sustained load's ceiling: producers and workers sharing the machine, 1 / (1/producers alone + 1/drain at"
+    " batch 10) (computed)"
+)
 REPLAY = "replay send-back, blocked dead letters, batch 500"
 LATENCY_LISTEN_P99 = "receive→handler at 200 msg/s, LISTEN/NOTIFY, p99"
 PROCRASTINATE_ORDERED = "procrastinate drain, lock=<key>, 500 keys, 2 proc x 2"
@@ -255,6 +262,13 @@ CHECKS: tuple[Check, ...] = (
         DRAIN,
         detail=True,
     ),
+    Check(
+        "sustained load's ceiling (producers alone and drain at batch 10 sharing the machine) / ordered drain",
+        SUSTAINED_CEILING,
+        DRAIN,
+        detail=True,
+    ),
+    Check("sustained rate / that ceiling", SUSTAINED, SUSTAINED_CEILING, detail=True),
     Check("worker peak RSS under sustained load, MB", SUSTAINED_RSS, target=("<=", 100)),
     Check(
         "sustained rate with a batch handler / ordered drain with a batch handler",
