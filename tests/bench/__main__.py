@@ -15,6 +15,7 @@ import os
 import random
 import sys
 import time
+from contextlib import ExitStack
 from datetime import UTC, datetime
 from functools import partial
 from pathlib import Path
@@ -23,7 +24,7 @@ from tests.bench import backlog, instructions, load, report
 from tests.bench import scripts as sql
 from tests.bench.harness import cpu_times, steal_share
 from tests.bench.report import RESULTS_PAGE, Run, machine_summary
-from tests.bench.workloads import Bench
+from tests.bench.workloads import Bench, interleaved
 
 REPO = Path(__file__).resolve().parents[2]
 RESULTS = REPO / "bench-results"
@@ -72,32 +73,52 @@ def receive_workloads(b: Bench, sizes: dict[str, int], with_peers: bool) -> None
     """Receive, single and batch, next to what bounds it (pgbench) and to pgqueuer's enqueue."""
     bound = sizes["bound_seconds"]
     b.record(report.SINGLE_INSERT, "tx/s", b.pgbench(sql.PGBENCH_SINGLE_INSERT, 1, 1, sizes["pg_seconds"]))
-    b.record(report.RECEIVE_SINGLE, "msg/s", b.receive_single(sizes["single"], False))
-    b.record(report.RECEIVE_SINGLE_KEYED, "msg/s", b.receive_single(sizes["single"], False, keyed=True))
-    if with_peers:  # right next to ours, as the batch enqueue below
-        from tests.bench import peers
-
-        enqueue = peers.pgqueuer_enqueue_single(b.peer("pgqueuer"), sizes["single"])
-        b.record(report.PGQUEUER_SINGLE, "msg/s", enqueue)
+    compare_receives(b, sizes["single"], 1, with_peers)
     b.record(report.PSYCOPG_INSERT, "tx/s", b.insert_single(sizes["single"]))
     b.record(report.PGBENCH_RECEIVE, "tx/s", b.pgbench(sql.PGBENCH_RECEIVE, 1, 1, bound))
     b.record(report.TWO_ROWS, "tx/s", b.pgbench(sql.PGBENCH_TWO_INSERTS, 1, 1, bound))
     b.record(report.TWO_ROWS_PLAIN, "tx/s", b.pgbench(sql.PGBENCH_TWO_PLAIN_INSERTS, 1, 1, bound))
     b.record(report.ONE_ROW, "tx/s", b.pgbench(sql.PGBENCH_INBOX_ROW, 1, 1, bound))
     b.record(report.RECEIVE_OWN_TX, "msg/s", b.receive_single(sizes["single"], True))
-    b.record(report.RECEIVE_MANY_KEYED, "msg/s", b.receive_batch(sizes["batch"]))
-    b.record(report.RECEIVE_MANY, "msg/s", b.receive_batch(sizes["batch"], keyed=False))
-    if with_peers:  # measured right after ours: the same minute of a noisy machine
-        from tests.bench import peers
-
-        n = sizes["batch"]
-        b.record(report.PGQUEUER_BATCH, "msg/s", peers.pgqueuer_enqueue(b.peer("pgqueuer"), n, 500, 500))
-        b.record(
-            report.PGQUEUER_BATCH_DEDUPE,
-            "msg/s",
-            peers.pgqueuer_enqueue(b.peer("pgqueuer"), n, 500, 500, dedupe=True),
-        )
+    compare_receives(b, sizes["batch"], 500, with_peers)
     b.record(report.TWO_ROWS_500, "msg/s", 500 * b.pgbench(sql.PGBENCH_TWO_INSERTS_500, 1, 1, bound))
+
+
+def compare_receives(b: Bench, n: int, batch: int, with_peers: bool) -> None:
+    """Receive without and with keys, one message per transaction (``batch`` 1) or ``batch`` per
+    transaction, and pgqueuer's enqueue of as many (with and without dedupe keys for a batch):
+    interleaved, ten chunks of each taking turns, so that the ratios compare the same minutes of
+    a machine whose speed drifts."""
+    names = (
+        (report.RECEIVE_SINGLE, report.RECEIVE_SINGLE_KEYED, report.PGQUEUER_SINGLE, None)
+        if batch == 1
+        else (
+            report.RECEIVE_MANY,
+            report.RECEIVE_MANY_KEYED,
+            report.PGQUEUER_BATCH,
+            report.PGQUEUER_BATCH_DEDUPE,
+        )
+    )
+    unkeyed, keyed, peer, peer_dedupe = names
+    with ExitStack() as stack:
+        sides = {
+            keyed: stack.enter_context(b.receive_sides(True, batch)),
+            unkeyed: stack.enter_context(b.receive_sides(False, batch)),
+        }
+        if with_peers:
+            from tests.bench import peers
+
+            sides[peer] = stack.enter_context(peers.pgqueuer_side(b.peer("pgqueuer"), batch))
+            if peer_dedupe is not None:
+                sides[peer_dedupe] = stack.enter_context(
+                    peers.pgqueuer_side(b.peer("pgqueuer"), batch, dedupe=True)
+                )
+        chunk = max(batch, n // 10 // batch * batch)
+        rates = interleaved(sides, n, chunk)
+    # Recorded in the results page's order.
+    for name in (unkeyed, keyed, peer, peer_dedupe) if batch == 1 else (keyed, unkeyed, peer, peer_dedupe):
+        if name in rates:
+            b.record(name, "msg/s", rates[name])
 
 
 def processing_workloads(b: Bench, sizes: dict[str, int], first: bool) -> None:

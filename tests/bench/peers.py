@@ -121,9 +121,44 @@ class PgqueuerProducer:
         payload = json.dumps({"i": i, "k": f"k{i}", "s": 0}).encode()
         self.loop.run_until_complete(self.queries.enqueue("bench", payload, 0))
 
+    def enqueue_many(self, ids: range, keys: int, dedupe: bool = False) -> None:
+        """Jobs ``ids`` in one statement, as :func:`pgqueuer_enqueue` sends a batch."""
+        payloads = [json.dumps({"i": i, "k": f"k{i % keys}", "s": i // keys}).encode() for i in ids]
+        n = len(ids)
+        if dedupe:
+            enqueue = self.queries.enqueue(
+                ["bench"] * n, payloads, [0] * n, [None] * n, [str(i) for i in ids], on_conflict="skip"
+            )
+        else:
+            enqueue = self.queries.enqueue(["bench"] * n, payloads, [0] * n)
+        self.loop.run_until_complete(enqueue)
+
     def close(self) -> None:
         self.loop.run_until_complete(self.conn.close())
         self.loop.close()
+
+
+@contextmanager
+def pgqueuer_side(
+    url: str, batch: int, keys: int = 500, dedupe: bool = False
+) -> Iterator[Callable[[range], None]]:
+    """pgqueuer's side of an interleaved receive comparison (``workloads.interleaved``): one job
+    per call (``batch`` 1, autocommit), or ``batch`` per statement over ``keys`` keys, with dedupe
+    keys if ``dedupe``."""
+    producer = PgqueuerProducer(url)
+    try:
+
+        def single(ids: range) -> None:
+            for i in ids:
+                producer.enqueue(i)
+
+        def many(ids: range) -> None:
+            for start in range(ids.start, ids.stop, batch):
+                producer.enqueue_many(range(start, min(start + batch, ids.stop)), keys, dedupe)
+
+        yield single if batch == 1 else many
+    finally:
+        producer.close()
 
 
 def pgqueuer_enqueue_single(url: str, n: int) -> float:

@@ -11,6 +11,8 @@ import signal
 import tempfile
 import time
 import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import psycopg
@@ -24,8 +26,54 @@ from tests.helpers import spawn_postbox
 KAFKA_PARTITIONS = 3
 
 
+Chunk = Callable[[range], None]  # sends messages ``ids`` (one side of an interleaved comparison)
+
+
+def interleaved(sides: dict[str, Chunk], n: int, chunk: int) -> dict[str, float]:
+    """Each side sends messages 0..n, ``chunk`` at a time, the sides taking turns (the first to go
+    moving on by one each round): msg/s per side, from the time of its own chunks only. A machine
+    whose speed drifts during the comparison then slows every side alike, where one side measured
+    after the other would take the drift as its own (a ratio moved by a tenth between repetitions)."""
+    names = list(sides)
+    took = dict.fromkeys(names, 0.0)
+    for k, start in enumerate(range(0, n, chunk)):
+        ids = range(start, min(start + chunk, n))
+        for name in names[k % len(names) :] + names[: k % len(names)]:
+            t = time.perf_counter()
+            sides[name](ids)
+            took[name] += time.perf_counter() - t
+    return {name: n / took[name] for name in names}
+
+
 class Bench(Harness):
     """The harness with Postbox's workloads; each returns its figure (the caller records it)."""
+
+    @contextmanager
+    def receive_sides(self, keyed: bool, batch: int) -> Iterator[Chunk]:
+        """Postbox's side of an interleaved receive comparison, in a fresh database: one message per
+        transaction (``batch`` 1, autocommit, as pgqueuer's enqueue of one job) or ``receive_many``
+        of ``batch`` per transaction; over 500 keys if ``keyed``, else each message its own key."""
+        url = self.fresh()
+        with psycopg.connect(url, autocommit=batch == 1) as c:
+
+            def single(ids: range) -> None:
+                for i in ids:
+                    key = {"key": f"k{i % 500}"} if keyed else {}
+                    postbox.receive(c, consumer="bench", message_id=str(i), payload={"i": i}, **key)
+
+            def many(ids: range) -> None:
+                for start in range(ids.start, ids.stop, batch):
+                    postbox.receive_many(
+                        c,
+                        [
+                            {"consumer": "bench", "message_id": str(i), "payload": {"i": i}}
+                            | ({"key": f"k{i % 500}"} if keyed else {})
+                            for i in range(start, min(start + batch, ids.stop))
+                        ],
+                    )
+                    c.commit()
+
+            yield single if batch == 1 else many
 
     def receive_single(self, n: int, own_transaction: bool, keyed: bool = False) -> float:
         """One message per transaction: an implicit one (autocommit, like pgbench's single INSERT),
@@ -48,25 +96,6 @@ class Bench(Harness):
             t = time.perf_counter()
             for _ in range(n):
                 c.execute("INSERT INTO bench_single (payload) VALUES (%s::jsonb)", ('{"i": 1}',))
-            return n / (time.perf_counter() - t)
-
-    def receive_batch(self, n: int, batch: int = 500, keyed: bool = True) -> float:
-        """Batches of ``batch`` per transaction: over 500 keys (from the second batch on, every message
-        queues behind its key's head), or without keys (each message its own key, as a queue
-        without per-key order receives them)."""
-        url = self.fresh()
-        with psycopg.connect(url) as c:
-            t = time.perf_counter()
-            for start in range(0, n, batch):
-                postbox.receive_many(
-                    c,
-                    [
-                        {"consumer": "bench", "message_id": str(i), "payload": {"i": i}}
-                        | ({"key": f"k{i % 500}"} if keyed else {})
-                        for i in range(start, min(start + batch, n))
-                    ],
-                )
-                c.commit()
             return n / (time.perf_counter() - t)
 
     def _preload(self, url: str, n: int, keys: int) -> None:
