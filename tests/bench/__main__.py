@@ -137,9 +137,10 @@ def processing_workloads(b: Bench, sizes: dict[str, int], first: bool) -> None:
     b.record(report.DRAIN_BATCH_RSS, "MB", rss)
     # The same with the configuration's SQL-function batch handler (no Python handler).
     b.record(report.DRAIN_SQL_BATCH, "msg/s", b.drain(2 * sizes["drain"], 500, 2, 2, 50, app="sql_batch")[0])
-    # What bounds it: the same drain in batches of 10 (the sustained load's), and the round trips
+    # What bounds it: the same drain in the sustained load's batches, and the round trips
     # the machine makes with nothing to do (a message costs two: its savepoint, its handler's statement).
-    b.record(report.DRAIN_10, "msg/s", b.drain(sizes["drain"], 500, processes=2, concurrency=2, batch=10)[0])
+    batch = report.SUSTAINED_WORKER_BATCH
+    b.record(report.DRAIN_SUSTAINED_BATCH, "msg/s", b.drain(sizes["drain"], 500, 2, 2, batch=batch)[0])
     b.record(report.ROUND_TRIPS, "tx/s", b.pgbench(sql.PGBENCH_ROUND_TRIP, 4, 2, sizes["bound_seconds"]))
     for kind in ("postgres", "rabbitmq", "kafka"):
         try:
@@ -181,8 +182,8 @@ def once_per_run(b: Bench, sizes: dict[str, int]) -> None:
     # what the two can do sharing the machine's cores.
     alone = load.producers_alone(b, sizes["drain"])
     b.record(report.PRODUCERS_ALONE, "msg/s", alone)
-    drain_10 = b.results[report.DRAIN_10].runs[-1]
-    b.record(report.SUSTAINED_CEILING, "msg/s", 1 / (1 / alone + 1 / drain_10))
+    drain_batch = b.results[report.DRAIN_SUSTAINED_BATCH].runs[-1]
+    b.record(report.SUSTAINED_CEILING, "msg/s", 1 / (1 / alone + 1 / drain_batch))
     names = (report.SUSTAINED, report.SUSTAINED_P99, report.SUSTAINED_RSS)
     sustained(b, drain, sizes["load_seconds"], "registry", names)
     # The same ladder (the same rates) with a batch handler.

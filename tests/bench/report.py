@@ -42,7 +42,8 @@ DRAIN = "ordered drain, 500 keys, 2 proc x 2 slots"
 DRAIN_RSS = "worker peak RSS during drain"
 DRAIN_BATCH_RSS = "worker peak RSS during drain with a batch handler"
 DRAIN_SQL = "drain in SQL only (claim + effects + complete per 50), pgbench -c 4"
-DRAIN_10 = "ordered drain, 500 keys, 2 proc x 2 slots, batch 10"
+SUSTAINED_WORKER_BATCH = 25  # the sustained load's workers' batch (tests/bench/load.py)
+DRAIN_SUSTAINED_BATCH = f"ordered drain, 500 keys, 2 proc x 2 slots, batch {SUSTAINED_WORKER_BATCH}"
 DRAIN_BATCH = "ordered drain, batch handler (one statement per call), 500 keys, 2 proc x 2 slots"
 DRAIN_SQL_BATCH = "ordered drain, SQL-function batch handler (one call per claim, messages as JSON), 500 keys, 2 proc x 2 slots"
 ROUND_TRIPS = "pgbench empty round trips (SELECT 1), -c 4 -j 2"
@@ -68,7 +69,7 @@ PRODUCERS_ALONE = (
 )
 SUSTAINED_CEILING = (
     "sustained load's ceiling: producers and workers sharing the machine, 1 / (1/producers alone + 1/drain at"
-    " batch 10) (computed)"
+    f" batch {SUSTAINED_WORKER_BATCH}) (computed)"
 )
 REPLAY = "replay send-back, blocked dead letters, batch 500"
 LATENCY_LISTEN_P99 = "receive→handler at 200 msg/s, LISTEN/NOTIFY, p99"
@@ -251,19 +252,19 @@ CHECKS: tuple[Check, ...] = (
     ),
     Check("sustained rate (bounded backlog, p99 < 100 ms) / ordered drain", SUSTAINED, DRAIN, (">=", 0.8)),
     Check(
-        "sustained rate / ordered drain at batch 10 (the batch its workers use)",
+        f"sustained rate / ordered drain at batch {SUSTAINED_WORKER_BATCH} (the batch its workers use)",
         SUSTAINED,
-        DRAIN_10,
+        DRAIN_SUSTAINED_BATCH,
         detail=True,
     ),
     Check(
-        "ordered drain at batch 10 / at batch 50 (a batch's own cost: claim, complete, commit)",
-        DRAIN_10,
+        f"ordered drain at batch {SUSTAINED_WORKER_BATCH} / at batch 50 (a batch's own cost: claim, complete, commit)",
+        DRAIN_SUSTAINED_BATCH,
         DRAIN,
         detail=True,
     ),
     Check(
-        "sustained load's ceiling (producers alone and drain at batch 10 sharing the machine) / ordered drain",
+        f"sustained load's ceiling (producers alone and drain at batch {SUSTAINED_WORKER_BATCH} sharing the machine) / ordered drain",
         SUSTAINED_CEILING,
         DRAIN,
         detail=True,
