@@ -161,19 +161,6 @@ def pgqueuer_side(
         producer.close()
 
 
-def pgqueuer_enqueue_single(url: str, n: int) -> float:
-    """Enqueue ``n`` jobs one per call (autocommit, one statement each); jobs/s. The reference of a
-    single receive: pgqueuer's own enqueue of one job, from Python."""
-    producer = PgqueuerProducer(url)
-    try:
-        t = time.perf_counter()
-        for i in range(n):
-            producer.enqueue(i)
-        return n / (time.perf_counter() - t)
-    finally:
-        producer.close()
-
-
 # --- drains and latency (harness side) ------------------------------------------------------------
 
 
