@@ -79,46 +79,34 @@ def receive_workloads(b: Bench, sizes: dict[str, int], with_peers: bool) -> None
     b.record(report.TWO_ROWS, "tx/s", b.pgbench(sql.PGBENCH_TWO_INSERTS, 1, 1, bound))
     b.record(report.TWO_ROWS_PLAIN, "tx/s", b.pgbench(sql.PGBENCH_TWO_PLAIN_INSERTS, 1, 1, bound))
     b.record(report.ONE_ROW, "tx/s", b.pgbench(sql.PGBENCH_INBOX_ROW, 1, 1, bound))
-    b.record(report.RECEIVE_OWN_TX, "msg/s", b.receive_single(sizes["single"], True))
+    b.record(report.RECEIVE_OWN_TX, "msg/s", b.receive_in_transaction(sizes["single"]))
     compare_receives(b, sizes["batch"], 500, with_peers)
     b.record(report.TWO_ROWS_500, "msg/s", 500 * b.pgbench(sql.PGBENCH_TWO_INSERTS_500, 1, 1, bound))
 
 
 def compare_receives(b: Bench, n: int, batch: int, with_peers: bool) -> None:
-    """Receive without and with keys, one message per transaction (``batch`` 1) or ``batch`` per
+    """Receive with and without keys, one message per transaction (``batch`` 1) or ``batch`` per
     transaction, and pgqueuer's enqueue of as many (with and without dedupe keys for a batch):
     interleaved, ten chunks of each taking turns, so that the ratios compare the same minutes of
-    a machine whose speed drifts."""
-    names = (
-        (report.RECEIVE_SINGLE, report.RECEIVE_SINGLE_KEYED, report.PGQUEUER_SINGLE, None)
-        if batch == 1
-        else (
-            report.RECEIVE_MANY,
-            report.RECEIVE_MANY_KEYED,
-            report.PGQUEUER_BATCH,
-            report.PGQUEUER_BATCH_DEDUPE,
-        )
-    )
-    unkeyed, keyed, peer, peer_dedupe = names
+    a machine whose speed drifts. Recorded in the results page's order."""
+    if batch == 1:
+        ours = [(report.RECEIVE_SINGLE, False), (report.RECEIVE_SINGLE_KEYED, True)]
+        theirs = [(report.PGQUEUER_SINGLE, False)]
+    else:
+        ours = [(report.RECEIVE_MANY_KEYED, True), (report.RECEIVE_MANY, False)]
+        theirs = [(report.PGQUEUER_BATCH, False), (report.PGQUEUER_BATCH_DEDUPE, True)]
     with ExitStack() as stack:
-        sides = {
-            keyed: stack.enter_context(b.receive_sides(True, batch)),
-            unkeyed: stack.enter_context(b.receive_sides(False, batch)),
-        }
+        sides = {name: stack.enter_context(b.receive_sides(keyed, batch)) for name, keyed in ours}
         if with_peers:
             from tests.bench import peers
 
-            sides[peer] = stack.enter_context(peers.pgqueuer_side(b.peer("pgqueuer"), batch))
-            if peer_dedupe is not None:
-                sides[peer_dedupe] = stack.enter_context(
-                    peers.pgqueuer_side(b.peer("pgqueuer"), batch, dedupe=True)
+            for name, dedupe in theirs:
+                sides[name] = stack.enter_context(
+                    peers.pgqueuer_side(b.peer("pgqueuer"), batch, dedupe=dedupe)
                 )
-        chunk = max(batch, n // 10 // batch * batch)
-        rates = interleaved(sides, n, chunk)
-    # Recorded in the results page's order.
-    for name in (unkeyed, keyed, peer, peer_dedupe) if batch == 1 else (keyed, unkeyed, peer, peer_dedupe):
-        if name in rates:
-            b.record(name, "msg/s", rates[name])
+        rates = interleaved(sides, n, max(batch, n // 10 // batch * batch))
+    for name, rate in rates.items():
+        b.record(name, "msg/s", rate)
 
 
 def processing_workloads(b: Bench, sizes: dict[str, int], first: bool) -> None:

@@ -162,6 +162,43 @@ def _stopped(proc: subprocess.Popen[bytes]) -> None:
     proc.wait(30)
 
 
+class Producers:
+    """The producer processes, each receiving its share of what it is told to send."""
+
+    def __init__(self, url: str) -> None:
+        ctx = multiprocessing.get_context("spawn")
+        self.results = ctx.Queue()
+        self.commands = [ctx.Queue() for _ in range(PRODUCERS)]
+        self.procs = [
+            ctx.Process(target=_producer, args=(url, p, self.commands[p], self.results), daemon=True)
+            for p in range(PRODUCERS)
+        ]
+        for proc in self.procs:
+            proc.start()
+
+    def ready(self) -> None:
+        for _ in range(PRODUCERS):
+            self.results.get(timeout=60)
+
+    def send(self, tag: str, rate: float, seconds: float) -> float:
+        """Have them send ``rate`` x ``seconds`` messages in all, on schedule, from the time returned."""
+        start = time.time() + 0.2
+        for q in self.commands:
+            q.put((tag, rate / PRODUCERS, seconds, start))
+        return start
+
+    def sent(self, timeout: float) -> tuple[int, float]:
+        """Once they are done: the messages received as new, and the time of the last commit."""
+        replies = [self.results.get(timeout=timeout) for _ in range(PRODUCERS)]
+        return sum(r[0] for r in replies), max(r[1] for r in replies)
+
+    def close(self) -> None:
+        for q in self.commands:
+            q.put(None)
+        for proc in self.procs:
+            proc.join(10)
+
+
 class Load:
     """The workload's database, worker processes and producer processes."""
 
@@ -172,22 +209,13 @@ class Load:
         self.workers = _workers(url, app)
         # Deployed beside the workers, as the schema's owner here: it vacuums the queue tables.
         self.maintain = spawn_postbox("--database-url", url, "maintain")
-        ctx = multiprocessing.get_context("spawn")
-        self.results = ctx.Queue()
-        self.commands = [ctx.Queue() for _ in range(PRODUCERS)]
-        self.producers = [
-            ctx.Process(target=_producer, args=(url, p, self.commands[p], self.results), daemon=True)
-            for p in range(PRODUCERS)
-        ]
-        for proc in self.producers:
-            proc.start()
+        self.producers = Producers(url)
         self.peak = 0.0
 
     def ready(self) -> None:
         workers = "SELECT count(*) FILTER (WHERE kind = 'worker'), count(*) FROM postbox.workers"
         wait(lambda: self.conn.execute(workers).fetchone() == (WORKERS, WORKERS + 1), 30)
-        for _ in range(PRODUCERS):
-            self.results.get(timeout=60)
+        self.producers.ready()
         self.rung("w", 100, 1)  # the workers' and producers' first batches
 
     def _sample(self, samples: list[tuple[float, int]]) -> None:
@@ -195,15 +223,12 @@ class Load:
         samples.append((time.time(), self.conn.execute("SELECT count(*) FROM postbox.inbox").fetchone()[0]))
 
     def rung(self, tag: str, rate: float, seconds: float) -> Rung:
-        start = time.time() + 0.2
-        for q in self.commands:
-            q.put((tag, rate / PRODUCERS, seconds, start))
+        start = self.producers.send(tag, rate, seconds)
         samples: list[tuple[float, int]] = []
         while time.time() < start + seconds:
             time.sleep(max(0.0, start + len(samples) + 1 - time.time()))
             self._sample(samples)
-        replies = [self.results.get(timeout=seconds + 120) for _ in range(PRODUCERS)]
-        n, last = sum(r[0] for r in replies), max(r[1] for r in replies)
+        n, last = self.producers.sent(seconds + 120)
         stopped = time.time()
         wait(lambda: not self.conn.execute("SELECT EXISTS (SELECT 1 FROM postbox.inbox)").fetchone()[0], 300)
         drained = time.time() - stopped
@@ -213,10 +238,7 @@ class Load:
         return Rung(rate, n / (last - start), _growth(samples, start, seconds), seconds, drained, **quantiles)
 
     def close(self) -> None:
-        for q in self.commands:
-            q.put(None)
-        for proc in self.producers:
-            proc.join(10)
+        self.producers.close()
         for w in (*self.workers, self.maintain):
             w.send_signal(signal.SIGTERM)
         for w in (*self.workers, self.maintain):
@@ -227,36 +249,21 @@ class Load:
 def producers_alone(b: Harness, messages: int) -> float:
     """The producers of the ladder alone on the machine (no worker, no maintenance): the same
     processes sending ``messages`` in all, as fast as they can; msg/s. With the drain alone at the
-    workers' batch (``DRAIN_SUSTAINED_BATCH``), it gives what producers and workers together can do when they
-    share the machine's cores: 1 / (1/producers + 1/drain)."""
+    workers' batch (``DRAIN_SUSTAINED_BATCH``), it gives what producers and workers together can
+    do when they share the machine's cores: 1 / (1/producers + 1/drain)."""
     url = b.fresh()
-    ctx = multiprocessing.get_context("spawn")
-    results = ctx.Queue()
-    commands = [ctx.Queue() for _ in range(PRODUCERS)]
-    procs = [
-        ctx.Process(target=_producer, args=(url, p, commands[p], results), daemon=True)
-        for p in range(PRODUCERS)
-    ]
+    producers = Producers(url)
     try:
-        for proc in procs:
-            proc.start()
-        for _ in range(PRODUCERS):
-            results.get(timeout=60)
-        # A rate no producer keeps up with: each sends its share at once, from ``start`` on.
-        rate, start = 1e9, time.time() + 0.2
-        for q in commands:
-            q.put(("alone", rate, messages / PRODUCERS / rate, start))
-        replies = [results.get(timeout=600) for _ in range(PRODUCERS)]
-        n, last = sum(r[0] for r in replies), max(r[1] for r in replies)
+        producers.ready()
+        # A rate no producer keeps up with: each sends its share at once.
+        rate = 1e9
+        start = producers.send("alone", rate, messages / rate)
+        n, last = producers.sent(600)
         if n != messages:
             raise AssertionError(f"producers alone: {n} of {messages} messages received as new")
         return n / (last - start)
     finally:
-        for q in commands:
-            q.put(None)
-        for proc in procs:
-            if proc.pid is not None:  # started
-                proc.join(30)
+        producers.close()
         b.drop(url)
 
 

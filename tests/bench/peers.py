@@ -76,37 +76,15 @@ def procrastinate_preload(url: str, n: int, keys: int, ordered: bool) -> None:
     asyncio.run(go())
 
 
-def pgqueuer_enqueue(url: str, n: int, keys: int, batch: int, dedupe: bool = False) -> float:
-    """Enqueue ``n`` jobs in batches of ``batch`` (one statement each, autocommit); jobs/s. With
-    ``dedupe``, each job carries a dedupe key and duplicates are skipped (``on_conflict="skip"``):
-    pgqueuer's nearest to a deduplicating receive (its keys only cover queued and running jobs)."""
-
-    async def go() -> float:
-        import time
-
-        conn = await asyncpg.connect(url)
-        try:
-            q = _pgqueuer(conn)
-            t = time.perf_counter()
-            for start in range(0, n, batch):
-                ids = range(start, min(start + batch, n))
-                payloads = [json.dumps({"i": i, "k": f"k{i % keys}", "s": i // keys}).encode() for i in ids]
-                if dedupe:
-                    await q.enqueue(
-                        ["bench"] * len(ids),
-                        payloads,
-                        [0] * len(ids),
-                        [None] * len(ids),
-                        [str(i) for i in ids],
-                        on_conflict="skip",
-                    )
-                else:
-                    await q.enqueue(["bench"] * len(ids), payloads, [0] * len(ids))
-            return n / (time.perf_counter() - t)
-        finally:
-            await conn.close()
-
-    return asyncio.run(go())
+def pgqueuer_enqueue(url: str, n: int, keys: int, batch: int) -> None:
+    """Enqueue ``n`` jobs over ``keys`` keys in batches of ``batch`` (one statement each,
+    autocommit): a peer drain's backlog."""
+    producer = PgqueuerProducer(url)
+    try:
+        for start in range(0, n, batch):
+            producer.enqueue_many(range(start, min(start + batch, n)), keys)
+    finally:
+        producer.close()
 
 
 class PgqueuerProducer:
@@ -122,7 +100,9 @@ class PgqueuerProducer:
         self.loop.run_until_complete(self.queries.enqueue("bench", payload, 0))
 
     def enqueue_many(self, ids: range, keys: int, dedupe: bool = False) -> None:
-        """Jobs ``ids`` in one statement, as :func:`pgqueuer_enqueue` sends a batch."""
+        """Jobs ``ids`` over ``keys`` keys in one statement. With ``dedupe``, each carries a dedupe key
+        and duplicates are skipped (``on_conflict="skip"``): pgqueuer's nearest to a deduplicating
+        receive (its keys only cover queued and running jobs)."""
         payloads = [json.dumps({"i": i, "k": f"k{i % keys}", "s": i // keys}).encode() for i in ids]
         n = len(ids)
         if dedupe:

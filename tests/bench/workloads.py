@@ -75,18 +75,15 @@ class Bench(Harness):
 
             yield single if batch == 1 else many
 
-    def receive_single(self, n: int, own_transaction: bool, keyed: bool = False) -> float:
-        """One message per transaction: an implicit one (autocommit, like pgbench's single INSERT),
-        or the caller's explicit BEGIN ... COMMIT (two more round trips); over 500 keys if ``keyed``
-        (from the 501st message on, each queues behind its key's head)."""
+    def receive_in_transaction(self, n: int) -> float:
+        """One message per transaction, in the caller's explicit BEGIN ... COMMIT (two more round
+        trips than the autocommit receive of ``receive_sides``)."""
         url = self.fresh()
-        with psycopg.connect(url, autocommit=not own_transaction) as c:
+        with psycopg.connect(url) as c:
             t = time.perf_counter()
             for i in range(n):
-                key = {"key": f"k{i % 500}"} if keyed else {}
-                postbox.receive(c, consumer="bench", message_id=str(i), payload={"i": i}, **key)
-                if own_transaction:
-                    c.commit()
+                postbox.receive(c, consumer="bench", message_id=str(i), payload={"i": i})
+                c.commit()
             return n / (time.perf_counter() - t)
 
     def insert_single(self, n: int) -> float:
