@@ -392,3 +392,102 @@ def test_a_keyed_batch_that_waits_for_its_key_while_the_heads_completion_holds_i
         assert not errors, errors
         assert c.execute("SELECT count(*) FROM postbox.key_repairs").fetchone() == (0,)
         assert _claimed_ids(c) == ["b0"]
+
+
+def test_a_keyed_receive_over_a_key_waiting_for_its_repair_queues_behind_it_and_files_one(database):
+    """The same for a single receive: the key has a queued message and no head (its head finished
+    while a producer held the key), so the next message neither overtakes the queued one nor leaves
+    the key without a repair, and the key's messages are claimed in their order."""
+    with database.connect() as c, database.connect() as producer:
+        postbox.receive(c, consumer="c", message_id="head", key="k", payload={})
+        c.commit()
+        ((head, attempt),) = _claim_ids(c)
+        c.commit()
+        postbox.receive(producer, consumer="c", message_id="a", key="k", payload={})  # open: holds k
+        c.execute("SELECT postbox.inbox_complete_v1(%s, %s, now())", ([head], [attempt]))
+        c.commit()
+        producer.commit()
+        assert c.execute("SELECT count(*) FROM postbox.key_repairs").fetchone() == (1,)
+        assert postbox.receive(c, consumer="c", message_id="b", key="k", payload={}).status == "new"
+        assert c.execute(
+            "SELECT message_id, state FROM postbox.inbox WHERE key = 'k' ORDER BY id"
+        ).fetchall() == [("a", "pending"), ("b", "pending")]
+        assert c.execute("SELECT count(*) FROM postbox.key_repairs").fetchone() == (2,)
+        c.commit()
+        order = []
+        for _ in range(2):
+            ((mid, att),) = _claim_ids(c)
+            order += c.execute("SELECT message_id FROM postbox.inbox WHERE id = %s", (mid,)).fetchone()
+            c.execute("SELECT postbox.inbox_complete_v1(%s, %s, now())", ([mid], [att]))
+            c.commit()
+        assert order == ["a", "b"]
+
+
+@pytest.mark.parametrize("maker_commits", [True, False], ids=["commits", "rolls-back"])
+def test_a_keyed_receive_waits_for_a_head_another_transaction_is_making(database, maker_commits):
+    """Another transaction is making the key's head, not committed yet, when a receive on the key
+    looks for it: the receive waits for that transaction. If it commits, the message queues behind
+    its head (no repair: the head is there); if it rolls back, the message is the key's head."""
+    with database.connect() as c, database.connect() as maker, database.connect() as producer:
+        postbox.receive(maker, consumer="c", message_id="first", key="k", payload={})  # open
+        done = threading.Event()
+        results: list[object] = []
+
+        def receive() -> None:
+            try:
+                results.append(
+                    postbox.receive(producer, consumer="c", message_id="second", key="k", payload={})
+                )
+                producer.commit()
+            except BaseException as error:  # reported below
+                results.append(error)
+            finally:
+                done.set()
+
+        thread = threading.Thread(target=receive)
+        thread.start()
+        eventually(
+            lambda: _waiting_on_a_lock(database, producer.info.backend_pid),
+            what="the receive waits for the head's transaction",
+        )
+        if maker_commits:
+            maker.commit()
+        else:
+            maker.rollback()
+        assert done.wait(30), "the receive did not finish"
+        thread.join()
+        assert len(results) == 1 and not isinstance(results[0], BaseException), results
+        assert results[0].status == "new"
+        states = c.execute(
+            "SELECT message_id, state FROM postbox.inbox WHERE key = 'k' ORDER BY id"
+        ).fetchall()
+        if maker_commits:
+            assert states == [("first", "ready"), ("second", "pending")]
+        else:
+            assert states == [("second", "ready")]
+        assert c.execute("SELECT count(*) FROM postbox.key_repairs").fetchone() == (0,)
+        assert _claimed_ids(c) == (["first"] if maker_commits else ["second"])
+
+
+@pytest.mark.parametrize("isolation", ["repeatable read", "serializable"])
+def test_under_repeatable_read_a_keyed_receive_after_its_heads_completion_makes_the_next_head(
+    database, isolation
+):
+    """The key's head finished after the producer's snapshot was taken, so the snapshot still shows
+    it: the receive does not queue behind a head that is gone (whose check at commit could only fail),
+    it makes its message the key's head, and the producer commits."""
+    with database.connect() as c, database.connect() as producer:
+        postbox.receive(c, consumer="c", message_id="head", key="k", payload={})
+        c.commit()
+        ((head, attempt),) = _claim_ids(c)
+        c.commit()
+        producer.execute(f"SET TRANSACTION ISOLATION LEVEL {isolation}")
+        producer.execute("SELECT count(*) FROM postbox.inbox").fetchone()  # the snapshot: the head is there
+        c.execute("SELECT postbox.inbox_complete_v1(%s, %s, now())", ([head], [attempt]))
+        c.commit()
+        assert postbox.receive(producer, consumer="c", message_id="next", key="k", payload={}).status == "new"
+        producer.commit()
+        assert c.execute("SELECT message_id, state FROM postbox.inbox WHERE key = 'k'").fetchall() == [
+            ("next", "ready")
+        ]
+        assert c.execute("SELECT count(*) FROM postbox.key_repairs").fetchone() == (0,)

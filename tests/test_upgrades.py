@@ -31,6 +31,7 @@ RELEASED = {
     "0006": "64035637786862d6b8e86284bd62c460a21684ed64ffb6e4b88536b2290adebd",  # 0.5.0
     "0007": "5dfdcafbee362412f61557f8668547a938317f522eeb7daca3f5d68d805466c2",  # 0.6.0
     "0008": "a232f1f587855cdce1bf63cb58648c6e2af7bba0ab933f49bda33275d1ded720",  # 0.7.0
+    "0009": "c5be9734435918fcc9ff82e8de8c8011f95e34b461026e17853c5847bc84e691",  # 0.8.0
 }
 
 
@@ -87,7 +88,17 @@ def test_the_revision_files_name_no_sql_outside_the_package_data(revision):
 
 def test_the_schema_revision_the_code_needs_is_the_newest_it_ships():
     assert migrate.head_revision() == SCHEMA_REVISION
-    assert migrate.known_revisions() == ["0001", "0002", "0003", "0004", "0005", "0006", "0007", "0008"]
+    assert migrate.known_revisions() == [
+        "0001",
+        "0002",
+        "0003",
+        "0004",
+        "0005",
+        "0006",
+        "0007",
+        "0008",
+        "0009",
+    ]
 
 
 def _postbox(url: str, *args: str) -> subprocess.CompletedProcess[str]:
@@ -283,7 +294,7 @@ def test_the_previous_release_keeps_working_on_the_new_schema_and_says_so(databa
     assert "Traceback" not in check.stderr, check.stderr
 
 
-@pytest.mark.parametrize("revision", ["0006", "0007", "0008"])
+@pytest.mark.parametrize("revision", ["0006", "0007", "0008", "0009"])
 def test_a_downgrade_leaves_exactly_the_previous_revisions_schema(pg_server, revision):
     """A revision's downgrade restores what the revision before it made: a database upgraded to
     ``revision`` and downgraded one step has the same tables, indexes, triggers, function bodies
