@@ -35,7 +35,7 @@ FUNCTIONS = ["functions/inbox_receive_keyed_v1.sql"]
 RESTORED = "functions/inbox_receive_queue_lock_v1.sql"
 _RECEIVE = re.compile(r"^CREATE OR REPLACE FUNCTION postbox\.inbox_receive_v1\(.*?^\$\$;\n", re.M | re.S)
 
-RELEASED_SHA256 = "c5be9734435918fcc9ff82e8de8c8011f95e34b461026e17853c5847bc84e691"
+RELEASED_SHA256 = "1b19896ee73076eccdd75c47f4cee09a8b30d5755a4d4a6db1d750d62caa5296"
 
 
 def statements() -> list[str]:

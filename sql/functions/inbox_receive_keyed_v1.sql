@@ -286,8 +286,9 @@ BEGIN
             RETURN;
         ELSIF v_new THEN
             IF v_put IS NULL THEN
-                -- A head another transaction was making when the statement looked committed while it
-                -- waited for it: queued behind that head.
+                -- The attempt at the head found one: a head another transaction was making, which
+                -- committed while the statement waited for it, or (under REPEATABLE READ, where the
+                -- statement does not look for the head itself) any head. Queued behind it.
                 INSERT INTO postbox.inbox (id, consumer, message_id, key, sequence, position, type, schema_version,
                                            payload, headers, correlation_id, causation_id, source, state)
                 VALUES (v_id, v_consumer, inbox_receive_v1.message_id, v_key, v_seq, v_id, inbox_receive_v1.type,
