@@ -24,7 +24,7 @@ from tests.bench import backlog, instructions, load, report
 from tests.bench import scripts as sql
 from tests.bench.harness import cpu_times, steal_share
 from tests.bench.report import RESULTS_PAGE, Run, machine_summary
-from tests.bench.workloads import Bench, interleaved
+from tests.bench.workloads import Bench, interleaved, paced, quantiles
 
 REPO = Path(__file__).resolve().parents[2]
 RESULTS = REPO / "bench-results"
@@ -48,6 +48,8 @@ FULL_SIZES = {
     "count_batches": 8,
     "count_singles": 1000,
 }
+LATENCY_RATE = 200.0  # messages a second, in the latency workloads
+
 QUICK_SIZES = {
     "single": 300,
     "batch": 5000,
@@ -109,7 +111,7 @@ def compare_receives(b: Bench, n: int, batch: int, with_peers: bool) -> None:
         b.record(name, "msg/s", rate)
 
 
-def processing_workloads(b: Bench, sizes: dict[str, int], first: bool) -> None:
+def processing_workloads(b: Bench, sizes: dict[str, int], first: bool, with_peers: bool) -> None:
     """The drain (next to pgbench's INSERT+UPDATE and to the same work in SQL only), the relay (to
     PostgreSQL, RabbitMQ and Kafka), the claim's cost under a backlog, replay, latency, and the
     A→C latency of three databases linked through Kafka."""
@@ -143,14 +145,33 @@ def processing_workloads(b: Bench, sizes: dict[str, int], first: bool) -> None:
     if first:  # building the 1M backlog is the longest setup: once per run
         b.record(report.CLAIM_1M, "ms", b.claim_cost("1M", sizes["claim_samples"]))
         once_per_run(b, sizes)
-    for listen in (True, False):
-        lat = b.latency(200, sizes["lat_seconds"], listen)
-        label = "LISTEN/NOTIFY" if listen else "polling 10 ms"
-        for q in ("p50", "p99", "max"):
-            b.record(report.latency_name(label, q), "ms", lat[q])
+    latency_workloads(b, sizes, with_peers)
     lat = b.topology_latency(report.TOPOLOGY_RATE, sizes["lat_seconds"])
     for q in ("p50", "p99", "max"):
         b.record(report.topology_latency_name(q), "ms", lat[q])
+
+
+def latency_workloads(b: Bench, sizes: dict[str, int], with_peers: bool) -> None:
+    """Receive-to-handler-start latency at 200 messages/s: polling every 10 ms; then woken by
+    LISTEN/NOTIFY, taking turns with pgqueuer's enqueue-to-handler (a second each, on one schedule)."""
+    n, chunk = int(LATENCY_RATE * sizes["lat_seconds"]), int(LATENCY_RATE)
+    figures: dict[tuple[str, bool], dict[str, float]] = {}
+    with b.latency_side(listen=False) as polling:
+        paced({"polling": polling.send}, LATENCY_RATE, n, chunk)
+        figures["polling 10 ms", False] = quantiles(polling.latencies(n))
+    with ExitStack() as stack:
+        sides = {("LISTEN/NOTIFY", False): stack.enter_context(b.latency_side(listen=True))}
+        if with_peers:
+            from tests.bench import peers
+
+            sides["LISTEN/NOTIFY", True] = stack.enter_context(
+                peers.pgqueuer_latency_side(b.peer("pgqueuer"))
+            )
+        paced({side: s.send for side, s in sides.items()}, LATENCY_RATE, n, chunk)
+        figures |= {side: quantiles(s.latencies(n)) for side, s in sides.items()}
+    for (label, peer), values in figures.items():
+        for q, value in values.items():
+            b.record(report.latency_name(label, q, peer=peer), "ms", value)
 
 
 def once_per_run(b: Bench, sizes: dict[str, int]) -> None:
@@ -223,15 +244,11 @@ def sustained(b: Bench, drain: float, seconds: int, app: str, names: tuple[str, 
 
 def peer_workloads(b: Bench, sizes: dict[str, int]) -> None:
     """The peers on the same workloads: drains are time-capped (rate = effects / elapsed)."""
-    from tests.bench import peers
 
     n, cap = sizes["drain"], sizes["peer_cap"]
     b.record(report.PROCRASTINATE_ORDERED, "msg/s", b.peer_drain("procrastinate", n, 500, True, cap))
     b.record(report.PROCRASTINATE, "msg/s", b.peer_drain("procrastinate", n, 500, False, cap))
     b.record(report.PGQUEUER, "msg/s", b.peer_drain("pgqueuer", n, 500, False, cap))
-    lat = peers.pgqueuer_latency(b.peer("pgqueuer"), 200, sizes["lat_seconds"])
-    for q in ("p50", "p99", "max"):
-        b.record(report.latency_name("LISTEN/NOTIFY", q, peer=True), "ms", lat[q])
 
 
 def _peers_installed() -> bool:
@@ -288,7 +305,7 @@ def main() -> None:
         for rep in range(repeat):
             print(f"repetition {rep + 1}/{repeat}", flush=True)
             receive_workloads(b, sizes, with_peers)
-            processing_workloads(b, sizes, first=rep == 0)
+            processing_workloads(b, sizes, first=rep == 0, with_peers=with_peers)
             if with_peers:
                 peer_workloads(b, sizes)
         counted_workloads(b, sizes, with_peers)

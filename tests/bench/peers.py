@@ -28,6 +28,8 @@ import asyncpg
 import psycopg
 import psycopg_pool
 
+from tests.bench.workloads import LatencySide, effects_side
+
 REPO = Path(__file__).resolve().parents[2]
 
 EFFECT_SQL = (
@@ -219,35 +221,21 @@ def drain(
     return ((count - 1) / float(span) if count > 1 and span else 0.0), bad
 
 
-def pgqueuer_latency(url: str, rate: float, seconds: float) -> dict[str, float]:
-    """Enqueue-to-handler-start latency at a steady rate (pgqueuer's LISTEN/NOTIFY), in ms."""
-    n = int(rate * seconds)
+@contextmanager
+def pgqueuer_latency_side(url: str) -> Iterator[LatencySide]:
+    """pgqueuer's side of the enqueue-to-handler-start latency comparison (one worker process, 2 tasks,
+    LISTEN/NOTIFY): one job per call, autocommit; warmed up as Postbox's side is."""
     producer = PgqueuerProducer(url)
     try:
         with psycopg.connect(url, autocommit=True) as c, workers("pgqueuer", url, 1, 2) as go:
             go()
-            producer.enqueue(-1)  # warm-up: the worker is listening once this one is handled
-            _until(lambda: c.execute("SELECT count(*) FROM bench_effects").fetchone()[0] == 1, 30)
-            c.execute("DELETE FROM bench_effects")
-            start = time.perf_counter()
-            for i in range(n):
-                delay = start + i / rate - time.perf_counter()
-                if delay > 0:
-                    time.sleep(delay)
-                producer.enqueue(i)
-            _until(lambda: c.execute("SELECT count(*) FROM bench_effects").fetchone()[0] == n, 30)
-            lat = sorted(r[0] for r in c.execute("SELECT latency_ms FROM bench_effects").fetchall())
+
+            def effects() -> int:
+                return c.execute("SELECT count(*) FROM bench_effects").fetchone()[0]
+
+            yield effects_side(c, producer.enqueue, effects)
     finally:
         producer.close()
-    return {"p50": lat[len(lat) // 2], "p99": lat[int(len(lat) * 0.99) - 1], "max": lat[-1]}
-
-
-def _until(check: Callable[[], bool], timeout: float) -> None:
-    end = time.monotonic() + timeout
-    while not check():
-        if time.monotonic() > end:
-            raise TimeoutError("a peer did not finish in time")
-        time.sleep(0.02)
 
 
 def _pgqueuer(conn: Any) -> Any:

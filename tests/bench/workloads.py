@@ -13,7 +13,9 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import psycopg
 
@@ -43,6 +45,61 @@ def interleaved(sides: dict[str, Chunk], n: int, chunk: int) -> dict[str, float]
             sides[name](ids)
             took[name] += time.perf_counter() - t
     return {name: n / took[name] for name in names}
+
+
+Send = Callable[[int], None]  # sends message ``i`` (one side of a paced comparison)
+
+
+@dataclass
+class LatencySide:
+    """One side of a latency comparison: ``send(i)`` sends message ``i``; ``latencies(n)`` waits for
+    ``n`` messages to be handled and gives their enqueue-to-handler-start latencies in ms."""
+
+    send: Send
+    latencies: Callable[[int], list[float]]
+
+
+WARM_UP = 20  # messages each side handles before it is timed (its connections' first plans)
+
+
+def effects_side(c: psycopg.Connection, send: Send, effects: Callable[[], int]) -> LatencySide:
+    """A side whose handler writes one ``bench_effects`` row (with ``latency_ms``) per message, read
+    over ``c`` (autocommit): warmed up with WARM_UP messages at 200 a second, whose rows are then
+    deleted."""
+    for i in range(-WARM_UP, 0):
+        send(i)
+        time.sleep(0.005)
+    wait(lambda: effects() == WARM_UP, 30)
+    c.execute("DELETE FROM bench_effects")
+
+    def latencies(n: int) -> list[float]:
+        wait(lambda: effects() == n, 30)
+        return [r[0] for r in c.execute("SELECT latency_ms FROM bench_effects").fetchall()]
+
+    return LatencySide(send, latencies)
+
+
+def paced(sides: dict[Any, Send], rate: float, n: int, chunk: int) -> None:
+    """Each side sends messages 0..n, ``chunk`` at a time, the sides taking turns (the first to go
+    moving on by one each round) on one schedule of ``rate`` messages a second: a message is sent
+    when it is due (or at once when late). Latencies measured so share the machine's noisy minutes
+    alike, where one side measured minutes after the other would take its own minute's noise."""
+    names = list(sides)
+    start, tick = time.perf_counter(), 0
+    for k, first in enumerate(range(0, n, chunk)):
+        for name in names[k % len(names) :] + names[: k % len(names)]:
+            for i in range(first, min(first + chunk, n)):
+                delay = start + tick / rate - time.perf_counter()
+                if delay > 0:
+                    time.sleep(delay)
+                sides[name](i)
+                tick += 1
+
+
+def quantiles(latencies: list[float]) -> dict[str, float]:
+    """p50, p99 and max of the latencies (ms)."""
+    lat = sorted(latencies)
+    return {"p50": lat[len(lat) // 2], "p99": lat[int(len(lat) * 0.99) - 1], "max": lat[-1]}
 
 
 class Bench(Harness):
@@ -304,44 +361,35 @@ class Bench(Harness):
             c.commit()
             return claim_complete_ms(c, samples)
 
-    def latency(self, rate: float, seconds: float, listen: bool) -> dict[str, float]:
-        """Receive-to-handler-start latency at a steady rate, in ms (p50, p99, max)."""
+    @contextmanager
+    def latency_side(self, listen: bool) -> Iterator[LatencySide]:
+        """Postbox's side of a receive-to-handler-start latency comparison, in a fresh database: one
+        worker process (2 slots, batch 10), woken by LISTEN/NOTIFY or polling every 10 ms; its
+        producer receives one message per call on an autocommit connection (one statement, as
+        pgqueuer's enqueue of one job), each message its own key. Warmed up before it is timed."""
         url = self.fresh()
         args = ["--listen" if listen else "--no-listen", "--poll-interval", "0.05" if listen else "0.01"]
         p = spawn_postbox(
-            "--database-url",
-            url,
-            "worker",
-            "--consumer",
-            "bench",
-            "--app",
-            "tests.bench.app:registry",
-            "--concurrency",
-            "2",
-            "--batch-size",
-            "10",
-            *args,
+            *("--database-url", url, "worker", "--consumer", "bench", "--app", "tests.bench.app:registry"),
+            *("--concurrency", "2", "--batch-size", "10", *args),
         )
         try:
-            with psycopg.connect(url) as c:
+            with (
+                psycopg.connect(url, autocommit=True) as c,
+                psycopg.connect(url, autocommit=True) as producer,
+            ):
                 wait(lambda: c.execute("SELECT count(*) FROM postbox.workers").fetchone()[0] == 1, 30)
-                c.commit()
-                n = int(rate * seconds)
-                start = time.perf_counter()
-                for i in range(n):
-                    due = start + i / rate
-                    delay = due - time.perf_counter()
-                    if delay > 0:
-                        time.sleep(delay)
-                    c.execute("SET LOCAL postbox.notify = on")
-                    postbox.receive(c, consumer="bench", message_id=str(i), key=f"k{i}", payload={})
-                    c.commit()
-                wait(lambda: c.execute("SELECT count(*) FROM bench_effects").fetchone()[0] == n, 30)
-                lat = sorted(r[0] for r in c.execute("SELECT latency_ms FROM bench_effects").fetchall())
+
+                def send(i: int) -> None:
+                    postbox.receive(producer, consumer="bench", message_id=str(i), key=f"k{i}", payload={})
+
+                def effects() -> int:
+                    return c.execute("SELECT count(*) FROM bench_effects").fetchone()[0]
+
+                yield effects_side(c, send, effects)
         finally:
             p.send_signal(signal.SIGTERM)
             p.wait(30)
-        return {"p50": lat[len(lat) // 2], "p99": lat[int(len(lat) * 0.99) - 1], "max": lat[-1]}
 
 
 def _outbox_rows(url: str, n: int, keys: int) -> None:
