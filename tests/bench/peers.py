@@ -223,8 +223,9 @@ def drain(
 
 @contextmanager
 def pgqueuer_latency_side(url: str) -> Iterator[LatencySide]:
-    """pgqueuer's side of the enqueue-to-handler-start latency comparison (one worker process, 2 tasks,
-    LISTEN/NOTIFY): one job per call, autocommit; warmed up as Postbox's side is."""
+    """pgqueuer's side of the enqueue-to-handler-start latency comparison (one worker process, batch
+    10, its handler writing through a pool of 2 connections; LISTEN/NOTIFY): one job per call,
+    autocommit; warmed up as Postbox's side is."""
     producer = PgqueuerProducer(url)
     try:
         with psycopg.connect(url, autocommit=True) as c, workers("pgqueuer", url, 1, 2) as go:
