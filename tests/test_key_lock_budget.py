@@ -62,15 +62,19 @@ def _receive_singles(c: psycopg.Connection, prefix: str, keys: int) -> None:
         postbox.receive(c, consumer="c", message_id=f"{prefix}{i}", key=f"k{i}", payload={})
 
 
+def _publish_range(c: psycopg.Connection, prefix: str, start: int, stop: int) -> None:
+    postbox.publish_many(
+        c,
+        [
+            {"destination": "d", "message_id": f"{prefix}{i}", "key": f"k{i}", "payload": {}}
+            for i in range(start, stop)
+        ],
+    )
+
+
 def _publish_batches(c: psycopg.Connection, prefix: str, keys: int) -> None:
     for start in range(0, keys, 500):
-        postbox.publish_many(
-            c,
-            [
-                {"destination": "d", "message_id": f"{prefix}{i}", "key": f"k{i}", "payload": {}}
-                for i in range(start, min(start + 500, keys))
-            ],
-        )
+        _publish_range(c, prefix, start, min(start + 500, keys))
 
 
 def test_a_transaction_receiving_twenty_thousand_new_keys_commits_and_holds_at_most_the_budget(database):
@@ -139,20 +143,32 @@ def test_an_outbox_transaction_over_more_keys_than_the_budget_is_relayed_whole_w
     database,
 ):
     """The same for the outbox, whose queued rows take their keys' locks at commit."""
-    with (
-        database.connect() as c,
-        database.connect() as producer,
-        database.connect(autocommit=True) as observer,
-    ):
+    with database.connect() as c, database.connect() as producer:
         _publish_batches(c, "first-", KEYS)
         c.commit()
         heads = _claim_heads(c, "outbox", "d")
         _publish_batches(producer, "second-", KEYS)
         _complete(c, "outbox", heads)
         producer.commit()
-        assert _advisory_locks(observer, producer.info.backend_pid) == 0
         handled = _drain(c, "outbox", "d")
     assert sorted(handled) == sorted((f"k{i}", f"second-{i}") for i in range(KEYS))
+
+
+def test_twenty_thousand_outbox_rows_queued_behind_heads_commit_with_a_repair_past_the_budget(database):
+    """The outbox's check at commit locked every queued row's key: 20,000 keys failed the commit
+    ("out of shared memory"). Now the first 1,000 are locked and find their heads, and each of the
+    others files its key's repair instead."""
+    with database.connect() as c:
+        for start in range(0, 20_000, 500):
+            _publish_range(c, "first-", start, start + 500)
+            c.commit()
+        for start in range(0, 20_000, 500):
+            _publish_range(c, "second-", start, start + 500)
+        c.commit()
+        assert c.execute("SELECT count(*), count(DISTINCT key) FROM postbox.key_repairs").fetchone() == (
+            19_000,
+            19_000,
+        )
 
 
 def test_one_key_queued_past_the_budget_keeps_its_order(database):
