@@ -360,9 +360,10 @@ def test_a_keyed_batch_over_a_key_waiting_for_its_repair_queues_behind_it_and_fi
 
 
 def test_a_keyed_batch_that_waits_for_its_key_while_the_heads_completion_holds_it_sees_the_outcome(database):
-    """A completion holds the key's lock when a batch arrives: the batch waits for it (the only wait
-    a producer can have, on a process that waits for no one), then sees the head gone and makes its
-    own first message the key's head, with no repair needed."""
+    """A completion holds the key's lock when a batch arrives: the batch finds the head (not gone
+    yet), queues its messages behind it and waits for the key (the only wait a producer can have,
+    on a process that waits for no one), then sees the head gone and files the key's repair, which
+    the next claim makes: the batch's first message is claimed first."""
     with database.connect() as c, database.connect() as completer, database.connect() as producer:
         postbox.receive(c, consumer="c", message_id="head", key="k", payload={})
         c.commit()
@@ -390,7 +391,7 @@ def test_a_keyed_batch_that_waits_for_its_key_while_the_heads_completion_holds_i
         assert done.wait(30), "the batch did not finish"
         thread.join()
         assert not errors, errors
-        assert c.execute("SELECT count(*) FROM postbox.key_repairs").fetchone() == (0,)
+        assert c.execute("SELECT count(*) FROM postbox.key_repairs").fetchone() == (1,)
         assert _claimed_ids(c) == ["b0"]
 
 

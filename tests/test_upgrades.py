@@ -32,6 +32,7 @@ RELEASED = {
     "0007": "5dfdcafbee362412f61557f8668547a938317f522eeb7daca3f5d68d805466c2",  # 0.6.0
     "0008": "a232f1f587855cdce1bf63cb58648c6e2af7bba0ab933f49bda33275d1ded720",  # 0.7.0
     "0009": "1b19896ee73076eccdd75c47f4cee09a8b30d5755a4d4a6db1d750d62caa5296",  # 0.8.0
+    "0010": "6a24a189bc5c94f5d656c5f4099fbd0784d7d716423ec5aae7cade343ae5a0f9",  # 0.9.0
 }
 
 
@@ -98,6 +99,7 @@ def test_the_schema_revision_the_code_needs_is_the_newest_it_ships():
         "0007",
         "0008",
         "0009",
+        "0010",
     ]
 
 
@@ -294,7 +296,7 @@ def test_the_previous_release_keeps_working_on_the_new_schema_and_says_so(databa
     assert "Traceback" not in check.stderr, check.stderr
 
 
-@pytest.mark.parametrize("revision", ["0006", "0007", "0008", "0009"])
+@pytest.mark.parametrize("revision", ["0006", "0007", "0008", "0009", "0010"])
 def test_a_downgrade_leaves_exactly_the_previous_revisions_schema(pg_server, revision):
     """A revision's downgrade restores what the revision before it made: a database upgraded to
     ``revision`` and downgraded one step has the same tables, indexes, triggers, function bodies

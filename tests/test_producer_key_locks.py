@@ -1,0 +1,181 @@
+"""A producer transaction holds a key's lock only where it needs one: for a message it queues behind
+another transaction's head, shared, to its commit, so that the head cannot finish without handing
+over. PostgreSQL's lock table is shared by the whole server (about 7,800 locks with the default
+settings): a transaction that starts tens of thousands of new keys takes no key lock at all."""
+
+from __future__ import annotations
+
+import psycopg
+import pytest
+
+import postbox
+
+KEY_LOCK = 1349471041  # the first half of an inbox key's advisory lock
+
+
+def _key_locks(observer: psycopg.Connection, pid: int) -> int:
+    return observer.execute(
+        "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND classid = %s AND pid = %s",
+        (KEY_LOCK, pid),
+    ).fetchone()[0]
+
+
+def _locked_keys(observer: psycopg.Connection, pid: int, keys: list[str]) -> int:
+    """How many of ``keys`` (of consumer c) the backend holds the lock of."""
+    return observer.execute(
+        "SELECT count(*) FROM pg_locks l JOIN unnest(%s::text[]) k(key)"
+        " ON l.objid = hashtext('c/' || k.key)::oid"
+        " WHERE l.locktype = 'advisory' AND l.classid = %s AND l.pid = %s",
+        (keys, KEY_LOCK, pid),
+    ).fetchone()[0]
+
+
+def _batches(c: psycopg.Connection, messages: list[tuple[str, str]]) -> None:
+    """Receives (message_id, key) pairs for consumer c, 500 per call, in one transaction."""
+    for start in range(0, len(messages), 500):
+        postbox.receive_many(
+            c,
+            [
+                {"consumer": "c", "message_id": m, "key": k, "payload": {}}
+                for m, k in messages[start : start + 500]
+            ],
+        )
+
+
+def _claim(c: psycopg.Connection, limit: int = 1000) -> list[tuple[int, int, str, str]]:
+    """(id, attempt, key, message_id) of the messages a claim takes, committed."""
+    rows = c.execute(
+        "SELECT x.id, x.attempt, i.key, i.message_id FROM postbox.inbox_claim_v1('c', 'w', %s, interval '60 s',"
+        " now()) x JOIN postbox.inbox i ON i.id = x.id ORDER BY x.id",
+        (limit,),
+    ).fetchall()
+    c.commit()
+    return rows
+
+
+def _complete(c: psycopg.Connection, claimed: list[tuple[int, int, str, str]]) -> None:
+    c.execute(
+        "SELECT postbox.inbox_complete_v1(%s::bigint[], %s::integer[], now())",
+        ([r[0] for r in claimed], [r[1] for r in claimed]),
+    )
+
+
+def _drain(c: psycopg.Connection) -> list[tuple[str, str]]:
+    """Claims and completes until the inbox is empty: (key, message_id) in the order handled."""
+    handled: list[tuple[str, str]] = []
+    for _ in range(100):
+        claimed = _claim(c)
+        if claimed:
+            handled += [(key, mid) for _, _, key, mid in claimed]
+            _complete(c, claimed)
+            c.commit()
+        elif not c.execute("SELECT EXISTS (SELECT 1 FROM postbox.inbox)").fetchone()[0]:
+            return handled
+    raise AssertionError("the inbox did not drain: messages left without a head")
+
+
+LAYOUTS = {
+    "one-per-key": (20_000, 1, False),
+    "two-per-key-together": (10_000, 2, False),
+    # Every key's first message in the first 10,000, its second in the last: queued behind a head
+    # an earlier batch of the same transaction made.
+    "two-per-key-apart": (10_000, 2, True),
+}
+
+
+def _layout(name: str) -> list[tuple[str, str]]:
+    keys, per_key, apart = LAYOUTS[name]
+    if apart:
+        return [(f"m{i}-{j}", f"k{i}") for j in range(per_key) for i in range(keys)]
+    return [(f"m{i}-{j}", f"k{i}") for i in range(keys) for j in range(per_key)]
+
+
+@pytest.mark.parametrize("isolation", ["read committed", "repeatable read"])
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_a_transaction_receiving_twenty_thousand_messages_under_new_keys_commits_holding_no_key_lock(
+    database, isolation: str, layout: str
+):
+    """Until 0.9.0 a batch took every key's lock: twenty thousand keys in one transaction filled the
+    lock table ("out of shared memory"). A message that becomes its key's head needs no lock, nor do
+    those queued behind a head the same transaction made: nobody can finish it before the commit."""
+    keys, per_key, _ = LAYOUTS[layout]
+    with database.connect() as c, database.connect(autocommit=True) as observer:
+        c.execute(f"SET TRANSACTION ISOLATION LEVEL {isolation.upper()}")
+        _batches(c, _layout(layout))
+        assert _key_locks(observer, c.info.backend_pid) == 0
+        assert c.execute("SELECT count(*) FROM postbox.inbox_commit_checks").fetchone() == (0,)
+        c.commit()
+        assert c.execute("SELECT count(*) FROM postbox.key_repairs").fetchone() == (0,)
+        assert c.execute(
+            "SELECT count(*) FILTER (WHERE state = 'ready'), count(*) FILTER (WHERE state = 'pending')"
+            " FROM postbox.inbox"
+        ).fetchone() == (keys, keys * (per_key - 1))
+
+
+@pytest.mark.parametrize("layout", ["two-per-key-together", "two-per-key-apart"])
+def test_a_transaction_publishing_two_messages_under_each_of_twenty_thousand_new_keys_commits(
+    database, layout: str
+):
+    """Until 0.9.0 the outbox's check at commit locked the key of every row queued behind a head,
+    its own transaction's heads included: 20,000 keys with two messages each failed at the commit
+    with "out of shared memory". Each key's first message is its head, its second queued behind it."""
+    keys = 20_000
+    messages = [(f"m{i}-{j}", f"k{i}") for i in range(keys) for j in range(2)]
+    if layout == "two-per-key-apart":
+        messages = [(f"m{i}-{j}", f"k{i}") for j in range(2) for i in range(keys)]
+    with database.connect() as c:
+        for start in range(0, len(messages), 500):
+            postbox.publish_many(
+                c,
+                [
+                    {"destination": "d", "message_id": m, "key": k, "payload": {}}
+                    for m, k in messages[start : start + 500]
+                ],
+            )
+        c.commit()
+        assert c.execute("SELECT count(*) FROM postbox.key_repairs").fetchone() == (0,)
+        assert c.execute(
+            "SELECT count(*) FILTER (WHERE state = 'ready'), count(*) FILTER (WHERE state = 'pending')"
+            " FROM postbox.outbox"
+        ).fetchone() == (keys, keys)
+        heads = c.execute(
+            "SELECT count(*) FROM postbox.outbox WHERE state = 'ready' AND message_id LIKE '%-0'"
+        ).fetchone()
+        assert heads == (keys,)
+
+
+@pytest.mark.parametrize("isolation", ["read committed", "repeatable read"])
+def test_a_batch_checks_exactly_the_keys_it_queues_behind_another_transactions_head(database, isolation: str):
+    """A batch of 500: 200 messages under keys with heads committed before it, 200 under new keys, and
+    a second message under 100 of the new keys. Under READ COMMITTED it holds the 200 held keys'
+    locks and no other; under REPEATABLE READ those 200 keys, and only they, are checked at commit.
+    Every message is then handled once, in its key's order."""
+    held = [f"h{i}" for i in range(200)]
+    new = [f"n{i}" for i in range(200)]
+    with database.connect() as c, database.connect(autocommit=True) as observer:
+        _batches(c, [(f"first-{k}", k) for k in held])
+        c.commit()
+        c.execute(f"SET TRANSACTION ISOLATION LEVEL {isolation.upper()}")
+        _batches(
+            c,
+            [(f"second-{k}", k) for k in held]
+            + [(f"first-{k}", k) for k in new]
+            + [(f"second-{k}", k) for k in new[:100]],
+        )
+        pid = c.info.backend_pid
+        if isolation == "read committed":
+            assert _key_locks(observer, pid) == 200
+            assert _locked_keys(observer, pid, held) == 200
+            assert c.execute("SELECT count(*) FROM postbox.inbox_commit_checks").fetchone() == (0,)
+        else:
+            assert _key_locks(observer, pid) == 0
+            checked = c.execute("SELECT k FROM postbox.inbox_commit_checks, unnest(keys) k").fetchall()
+            assert sorted(k for (k,) in checked) == sorted(held)
+        c.commit()
+        assert c.execute("SELECT count(*) FROM postbox.key_repairs").fetchone() == (0,)
+        handled = _drain(c)
+    assert sorted(handled) == sorted(
+        [(k, f"first-{k}") for k in held + new] + [(k, f"second-{k}") for k in held + new[:100]]
+    )
+    for k in held + new[:100]:
+        assert [m for key, m in handled if key == k] == [f"first-{k}", f"second-{k}"]
