@@ -293,8 +293,8 @@ def _batch(keys_ids: list[tuple[str, str]]) -> list[dict[str, object]]:
 
 
 def test_a_keyed_batch_holds_its_keys_to_its_commit_and_files_no_check(database):
-    """Under READ COMMITTED a batch takes its keys' locks shared before it looks for their heads and
-    holds them to its commit: the heads it found are its queued messages' check, so nothing is left
+    """Under READ COMMITTED a transaction's batches, up to its first 1,000 keys, take their keys'
+    locks shared before they look for their heads and hold them to its commit: the heads it found are its queued messages' check, so nothing is left
     for the commit (no check row) and no repair is filed while the heads are there."""
     with database.connect() as c, database.connect(autocommit=True) as observer:
         for key in ("k1", "k2"):
@@ -359,11 +359,16 @@ def test_a_keyed_batch_over_a_key_waiting_for_its_repair_queues_behind_it_and_fi
         assert order == ["a", "b0", "b1"]
 
 
-def test_a_keyed_batch_that_waits_for_its_key_while_the_heads_completion_holds_it_sees_the_outcome(database):
-    """A completion holds the key's lock when a batch arrives: the batch finds the head (not gone
-    yet), queues its messages behind it and waits for the key (the only wait a producer can have,
-    on a process that waits for no one), then sees the head gone and files the key's repair, which
-    the next claim makes: the batch's first message is claimed first."""
+@pytest.mark.parametrize("past_first_keys", [False, True], ids=["first-keys", "past-the-first-1000-keys"])
+def test_a_keyed_batch_that_waits_for_its_key_while_the_heads_completion_holds_it_sees_the_outcome(
+    database, past_first_keys: bool
+):
+    """A completion holds the key's lock when a batch arrives: the batch waits for it (the only wait
+    a producer can have, on a process that waits for no one), then sees the head gone. Among its
+    transaction's first 1,000 keys, locked before it looks, it makes its own first message the
+    key's head, with no repair needed. Past them it has looked first, found the head (not gone
+    yet) and queued its messages behind it, so it files the key's repair, which the next claim
+    makes. Either way the batch's first message is claimed first."""
     with database.connect() as c, database.connect() as completer, database.connect() as producer:
         postbox.receive(c, consumer="c", message_id="head", key="k", payload={})
         c.commit()
@@ -373,6 +378,15 @@ def test_a_keyed_batch_that_waits_for_its_key_while_the_heads_completion_holds_i
 
         def receive() -> None:
             try:
+                if past_first_keys:  # 1,000 new keys of another consumer first, in the same transaction
+                    for start in (0, 500):
+                        postbox.receive_many(
+                            producer,
+                            [
+                                {"consumer": "other", "message_id": f"o{i}", "key": f"o{i}", "payload": {}}
+                                for i in range(start, start + 500)
+                            ],
+                        )
                 postbox.receive_many(producer, _batch([("k", "b0"), ("k", "b1")]))
                 producer.commit()
             except BaseException as error:  # reported below
@@ -391,7 +405,8 @@ def test_a_keyed_batch_that_waits_for_its_key_while_the_heads_completion_holds_i
         assert done.wait(30), "the batch did not finish"
         thread.join()
         assert not errors, errors
-        assert c.execute("SELECT count(*) FROM postbox.key_repairs").fetchone() == (1,)
+        repairs = c.execute("SELECT count(*) FROM postbox.key_repairs WHERE queue = 'c'").fetchone()
+        assert repairs == ((1,) if past_first_keys else (0,))
         assert _claimed_ids(c) == ["b0"]
 
 

@@ -2,10 +2,11 @@
 head, so a transaction receiving or publishing messages under tens of thousands of new keys commits;
 and a key's repair is never taken away unmade.
 
-* The batches' core (inbox_receive_rows_v1) no longer takes every key's lock before it looks for the
-  heads: it looks first, and locks (shared, to its commit) only the keys whose messages it queues
-  behind a head another transaction made, then looks for those heads again under the locks. Under
-  REPEATABLE READ only those keys get the check at commit.
+* The batches' core (inbox_receive_rows_v1) takes every key's lock before it looks for the heads
+  only for its transaction's first 1,000 keys. Past them, it looks first, and locks (shared, to its
+  commit) only the keys whose messages it queues behind a head another transaction made, then looks
+  for those heads again under the locks. Under REPEATABLE READ only those keys get the check at
+  commit.
 * The outbox's check at commit (outbox_pending_commit_v1) skips a row queued behind a head its own
   transaction made: no lock, no check.
 * repair_keys_v1 deletes a key's repairs before it looks for the key's head, instead of after: a
@@ -45,7 +46,7 @@ OUTBOX_CHECK_DEFINER = """
 ALTER FUNCTION postbox.outbox_pending_commit_v1() SECURITY DEFINER SET search_path = pg_catalog, postbox, pg_temp;
 """
 
-RELEASED_SHA256 = "6a24a189bc5c94f5d656c5f4099fbd0784d7d716423ec5aae7cade343ae5a0f9"
+RELEASED_SHA256 = "ff07f21b5ebb5df31c401bf20891aa8b4e76c31d1289d67d7e652f6eb6423108"
 
 
 def statements() -> list[str]:

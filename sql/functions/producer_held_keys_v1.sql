@@ -6,14 +6,17 @@
 --   (revision 0008). Each lock is an entry of PostgreSQL's lock table, which the whole server
 --   shares (about 7,800 entries with the default settings): one transaction receiving 20,000
 --   messages under new keys failed with "out of shared memory", and while such a transaction held
---   thousands of locks other sessions could fail the same way. Now it looks for the heads first,
---   without a lock, and locks only the keys whose messages it queues behind a head another
---   transaction made (or behind messages of the same id, without keys), after queuing them, then
---   looks for those heads again under the locks, as a single receive does. A message that becomes
---   its key's head, and those queued behind a head the same transaction made (in this batch or an
---   earlier one: the head's row version is the transaction's), take no lock: nobody can finish
---   that head before the commit. Under REPEATABLE READ the same keys, and only they, get the check
---   at commit.
+--   thousands of locks other sessions could fail the same way. A transaction's first 1,000 keys
+--   are still locked that way (counted in the transaction-local setting postbox.batch_key_locks):
+--   an index probe costs more than a lock, and looking for the heads only once keeps a keyed batch
+--   as cheap as before. Past them, a batch looks for the heads first, without a lock, and locks
+--   only the keys whose messages it queues behind a head another transaction made (or behind
+--   messages of the same id, without keys), after queuing them, then looks for those heads again
+--   under the locks, as a single receive does. A message that becomes its key's head, and those
+--   queued behind a head the same transaction made (in this batch or an earlier one: the head's
+--   row version is the transaction's), take no lock: nobody can finish that head before the
+--   commit. Under REPEATABLE READ the keys queued behind others' heads, and only they, get the
+--   check at commit.
 -- * repair_keys_v1 made a key's head, then deleted the key's repairs, in a later snapshot: it could
 --   delete a repair filed in between (by a completion that found the key locked by it), which its
 --   look for the head had not seen, and leave the key with queued messages, no head and no repair.
@@ -54,6 +57,8 @@ DECLARE
     v_held_consumers text[];
     v_held_keys      text[];
     v_xid            xid;
+    v_locks          integer;
+    v_early          boolean := false;
 BEGIN
     IF v_n = 0 THEN
         RETURN;
@@ -161,35 +166,62 @@ BEGIN
     IF NOT (v_plain AND v_keyless) THEN
         -- The first new message of each key, unless the key has a head already (then the message
         -- queues behind it, below): it becomes the head, or, if the key has queued messages and no
-        -- head, queues behind them and files the key's repair. Found from four columns, with index
-        -- probes per message (a subquery per message: never a join over the queue, whatever the
-        -- statistics say; OFFSET 0 keeps it one per message); only such messages pay for a second
-        -- pass. No lock is taken here: the keys whose head another transaction made are collected,
+        -- head, queues behind them and files the key's repair. Found from four columns, with an
+        -- index probe per message (a subquery per message: never a join over the queue, whatever
+        -- the statistics say), and only the messages of keys without a head sorted by their key
+        -- (text comparisons cost: a keyed batch behind others' heads sorts nothing). No lock is
+        -- taken here: the keys whose head another transaction made are collected,
         -- and locked below once their messages are queued. A key whose head this transaction made
         -- (in this batch or an earlier one) needs nothing: nobody can finish that head before we
         -- commit.
-        v_xid := pg_current_xact_id()::xid;
-        SELECT array_agg(y.id) FILTER (WHERE y.ours IS NULL),
-               array_agg(y.id) FILTER (WHERE y.ours IS NULL AND y.queued),
-               array_agg(y.consumer) FILTER (WHERE NOT y.ours),
-               array_agg(y.key) FILTER (WHERE NOT y.ours)
+        IF v_rc THEN
+            -- Except for a transaction's first 1,000 keys (counted in the transaction-local setting
+            -- postbox.batch_key_locks), which are all locked first, shared, as revision 0008 did:
+            -- cheaper than looking for the heads twice (an index probe costs more than a lock), and
+            -- the heads found below are then their queued messages' check. Past them, the lock
+            -- table, shared by the whole server, would fill up with the locks of new keys.
+            v_locks := coalesce(nullif(current_setting('postbox.batch_key_locks', true), '')::integer, 0);
+            IF v_locks + v_n <= 1000 THEN
+                PERFORM set_config('postbox.batch_key_locks', (v_locks + v_n)::text, true);
+                -- postbox.lock_key_shared_v1(1, ...), inline; in any order: the key lock is only
+                -- ever taken exclusively by trying, so no cycle forms.
+                PERFORM pg_advisory_xact_lock_shared(1349471041, hashtext(u.consumer || '/' || coalesce(u.key, u.message_id)))
+                   FROM unnest(consumers, message_ids, keys) AS u(consumer, message_id, key);
+                v_early := true;
+            END IF;
+        END IF;
+        IF NOT v_early THEN
+            v_xid := pg_current_xact_id()::xid;
+        END IF;
+        WITH m AS MATERIALIZED (
+            SELECT u.consumer, u.key, u.id,
+                   -- The key's head: none (NULL), or whether this transaction made it (its row's
+                   -- version is ours: nobody can finish it before we commit; received now too,
+                   -- since a frozen head keeps an xid from 2^32 transactions ago). With the keys
+                   -- locked first, whose head it is does not matter: the index alone answers.
+                   CASE WHEN v_early
+                        THEN CASE WHEN EXISTS (SELECT 1 FROM postbox.inbox x
+                                                WHERE x.consumer = u.consumer AND x.key = u.key
+                                                  AND x.state <> 'pending') THEN false END
+                        ELSE (SELECT x.xmin = v_xid AND x.received_at = now() FROM postbox.inbox x
+                               WHERE x.consumer = u.consumer AND x.key = u.key AND x.state <> 'pending'
+                               LIMIT 1) END AS ours
+              FROM (SELECT u.consumer, coalesce(u.key, u.message_id) AS key, u.id
+                      FROM unnest(consumers, message_ids, keys, v_ids) AS u(consumer, message_id, key, id)
+                     WHERE v_all OR u.id IN (SELECT unnest(v_new))) u)
+        SELECT l.lead, l.behind, o.consumers, o.keys
           INTO v_lead, v_behind, v_held_consumers, v_held_keys
-          FROM (SELECT DISTINCT ON (u.consumer, u.key) u.id, u.consumer, u.key, u.ours,
-                       u.ours IS NULL AND EXISTS (SELECT 1 FROM postbox.inbox p
-                                                   WHERE p.consumer = u.consumer AND p.key = u.key
-                                                     AND p.state = 'pending' AND p.position < u.id) AS queued
-                  FROM (SELECT u.consumer, u.key, u.id,
-                               -- The key's head: none (NULL), or whether this transaction made it
-                               -- (its row's version is ours: nobody can finish it before we commit;
-                               -- received now too, since a frozen head keeps an xid from 2^32 ago).
-                               (SELECT x.xmin = v_xid AND x.received_at = now() FROM postbox.inbox x
-                                 WHERE x.consumer = u.consumer AND x.key = u.key AND x.state <> 'pending'
-                                 LIMIT 1) AS ours
-                          FROM (SELECT u.consumer, coalesce(u.key, u.message_id) AS key, u.id
-                                  FROM unnest(consumers, message_ids, keys, v_ids) AS u(consumer, message_id, key, id)
-                                 WHERE v_all OR u.id IN (SELECT unnest(v_new))) u
-                        OFFSET 0) u
-                 ORDER BY u.consumer, u.key, u.id) y;
+          FROM (SELECT array_agg(y.id) AS lead, array_agg(y.id) FILTER (WHERE y.queued) AS behind
+                  FROM (SELECT DISTINCT ON (m.consumer, m.key) m.id,
+                               EXISTS (SELECT 1 FROM postbox.inbox p
+                                        WHERE p.consumer = m.consumer AND p.key = m.key AND p.state = 'pending'
+                                          AND p.position < m.id) AS queued
+                          FROM m WHERE m.ours IS NULL
+                         ORDER BY m.consumer, m.key, m.id) y) l,
+               -- Keys whose head another transaction made, once per message (a key twice is
+               -- harmless below, and cheaper than sorting every message by its key).
+               (SELECT array_agg(m.consumer) AS consumers, array_agg(m.key) AS keys
+                  FROM m WHERE NOT m.ours AND NOT v_early) o;
         IF v_lead IS NOT NULL THEN
             -- Keys are taken in one global order, so two batches starting the same keys never wait
             -- for each other in a cycle. A head needs no lock: nobody can finish it before we commit.
@@ -213,9 +245,10 @@ BEGIN
                 SELECT 'inbox', h.consumer, h.key FROM h WHERE h.state = 'pending')
             SELECT array_agg(h.id), array_agg(DISTINCT h.consumer) FILTER (WHERE h.state <> 'pending')
               INTO v_done, v_notify FROM h;
-            IF coalesce(cardinality(v_done), 0) < cardinality(v_lead) THEN
+            IF coalesce(cardinality(v_done), 0) < cardinality(v_lead) AND NOT v_early THEN
                 -- A head another transaction was making for the same key committed while ours
-                -- waited for it: that key's messages queue behind it, and are locked like the rest.
+                -- waited for it: that key's messages queue behind it, and are locked like the rest
+                -- (unless locked first).
                 SELECT coalesce(v_held_consumers, '{}') || array_agg(u.consumer),
                        coalesce(v_held_keys, '{}') || array_agg(coalesce(u.key, u.message_id))
                   INTO v_held_consumers, v_held_keys
@@ -265,13 +298,15 @@ BEGIN
             PERFORM pg_advisory_xact_lock_shared(1349471041, hashtext(u.consumer || '/' || u.key))
                FROM unnest(v_held_consumers, v_held_keys) AS u(consumer, key);
             INSERT INTO postbox.key_repairs (origin, queue, key)
-            SELECT 'inbox', u.consumer, u.key
+            SELECT DISTINCT 'inbox', u.consumer, u.key
               FROM unnest(v_held_consumers, v_held_keys) AS u(consumer, key)
              WHERE NOT EXISTS (SELECT 1 FROM postbox.inbox x
                                 WHERE x.consumer = u.consumer AND x.key = u.key AND x.state <> 'pending'
                                OFFSET 0);
         ELSE
-            INSERT INTO postbox.inbox_commit_checks (consumers, keys) VALUES (v_held_consumers, v_held_keys);
+            INSERT INTO postbox.inbox_commit_checks (consumers, keys)
+            SELECT array_agg(k.consumer), array_agg(k.key)
+              FROM (SELECT DISTINCT u.consumer, u.key FROM unnest(v_held_consumers, v_held_keys) AS u(consumer, key)) k;
         END IF;
     END IF;
     IF v_notify IS NOT NULL AND postbox.notify_enabled_v1() THEN
