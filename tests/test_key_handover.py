@@ -293,7 +293,7 @@ def _batch(keys_ids: list[tuple[str, str]]) -> list[dict[str, object]]:
 
 
 def test_a_keyed_batch_holds_its_keys_to_its_commit_and_files_no_check(database):
-    """Under READ COMMITTED a transaction's batches, up to its first 1,000 keys, take their keys'
+    """Under READ COMMITTED a transaction's batches, up to its first 1,000 messages, take their keys'
     locks shared before they look for their heads and hold them to its commit: the heads it found are its queued messages' check, so nothing is left
     for the commit (no check row) and no repair is filed while the heads are there."""
     with database.connect() as c, database.connect(autocommit=True) as observer:
@@ -359,13 +359,15 @@ def test_a_keyed_batch_over_a_key_waiting_for_its_repair_queues_behind_it_and_fi
         assert order == ["a", "b0", "b1"]
 
 
-@pytest.mark.parametrize("past_first_keys", [False, True], ids=["first-keys", "past-the-first-1000-keys"])
+@pytest.mark.parametrize(
+    "past_first_keys", [False, True], ids=["first-messages", "past-the-first-1000-messages"]
+)
 def test_a_keyed_batch_that_waits_for_its_key_while_the_heads_completion_holds_it_sees_the_outcome(
     database, past_first_keys: bool
 ):
     """A completion holds the key's lock when a batch arrives: the batch waits for it (the only wait
     a producer can have, on a process that waits for no one), then sees the head gone. Among its
-    transaction's first 1,000 keys, locked before it looks, it makes its own first message the
+    transaction's first 1,000 messages, locked before it looks, it makes its own first message the
     key's head, with no repair needed. Past them it has looked first, found the head (not gone
     yet) and queued its messages behind it, so it files the key's repair, which the next claim
     makes. Either way the batch's first message is claimed first."""

@@ -273,12 +273,14 @@ def test_claim_and_promote_use_their_indexes_with_a_large_backlog(db):
         assert len(rows) == 50 and all(r[0].startswith(("hot-1", "ready-")) for r in rows)
 
 
-@pytest.mark.parametrize("past_first_keys", [False, True], ids=["first-keys", "past-the-first-1000-keys"])
+@pytest.mark.parametrize(
+    "past_first_keys", [False, True], ids=["first-messages", "past-the-first-1000-messages"]
+)
 def test_keyed_batches_racing_workers_never_orphan_a_message(db, past_first_keys: bool):
     """Batches queue messages behind three hot keys while workers finish heads as fast as they can
     (each completion races a batch that holds the key, or looks for its head): every message is
     processed, in each producer's order, and no commit check is left behind. Both ways a batch
-    works: among its transaction's first 1,000 keys (locked before it looks), and past them (it
+    works: among its transaction's first 1,000 messages (locked before it looks), and past them (it
     looks, queues, then locks the keys held by others' heads and looks again; the transaction's
     count is set as if it had locked 1,000 keys already)."""
     url = db.url

@@ -3,7 +3,7 @@ head, so a transaction receiving or publishing messages under tens of thousands 
 and a key's repair is never taken away unmade.
 
 * The batches' core (inbox_receive_rows_v1) takes every key's lock before it looks for the heads
-  only for its transaction's first 1,000 keys. Past them, it looks first, and locks (shared, to its
+  only for its transaction's first 1,000 messages. Past them, it looks first, and locks (shared, to its
   commit) only the keys whose messages it queues behind a head another transaction made, then looks
   for those heads again under the locks. Under REPEATABLE READ only those keys get the check at
   commit.
@@ -46,7 +46,7 @@ OUTBOX_CHECK_DEFINER = """
 ALTER FUNCTION postbox.outbox_pending_commit_v1() SECURITY DEFINER SET search_path = pg_catalog, postbox, pg_temp;
 """
 
-RELEASED_SHA256 = "ff07f21b5ebb5df31c401bf20891aa8b4e76c31d1289d67d7e652f6eb6423108"
+RELEASED_SHA256 = "885002a539fba08de9bfe22fd96f79495c145030a45403893f7aec38f4af0cd4"
 
 
 def statements() -> list[str]:

@@ -6,8 +6,8 @@
 --   (revision 0008). Each lock is an entry of PostgreSQL's lock table, which the whole server
 --   shares (about 7,800 entries with the default settings): one transaction receiving 20,000
 --   messages under new keys failed with "out of shared memory", and while such a transaction held
---   thousands of locks other sessions could fail the same way. A transaction's first 1,000 keys
---   are still locked that way (counted in the transaction-local setting postbox.batch_key_locks):
+--   thousands of locks other sessions could fail the same way. The keys of a transaction's first
+--   1,000 messages are still locked that way (counted in the transaction-local setting postbox.batch_key_locks):
 --   an index probe costs more than a lock, and looking for the heads only once keeps a keyed batch
 --   as cheap as before. Past them, a batch looks for the heads first, without a lock, and locks
 --   only the keys whose messages it queues behind a head another transaction made (or behind
@@ -169,14 +169,15 @@ BEGIN
         -- head, queues behind them and files the key's repair. Found from four columns, with an
         -- index probe per message (a subquery per message: never a join over the queue, whatever
         -- the statistics say), and only the messages of keys without a head sorted by their key
-        -- (text comparisons cost: a keyed batch behind others' heads sorts nothing). No lock is
-        -- taken here: the keys whose head another transaction made are collected,
-        -- and locked below once their messages are queued. A key whose head this transaction made
-        -- (in this batch or an earlier one) needs nothing: nobody can finish that head before we
-        -- commit.
+        -- (text comparisons cost: a keyed batch behind others' heads sorts nothing). Past the
+        -- transaction's first 1,000 messages (below), no lock is taken here: the keys whose head
+        -- another transaction made are collected, and locked below once their messages are queued.
+        -- A key whose head this transaction made (in this batch or an earlier one) needs nothing:
+        -- nobody can finish that head before we commit.
         IF v_rc THEN
-            -- Except for a transaction's first 1,000 keys (counted in the transaction-local setting
-            -- postbox.batch_key_locks), which are all locked first, shared, as revision 0008 did:
+            -- A transaction's first 1,000 messages (counted in the transaction-local setting
+            -- postbox.batch_key_locks; a batch that would pass them counts none) have their keys
+            -- all locked first, shared, as revision 0008 did:
             -- cheaper than looking for the heads twice (an index probe costs more than a lock), and
             -- the heads found below are then their queued messages' check. Past them, the lock
             -- table, shared by the whole server, would fill up with the locks of new keys.
