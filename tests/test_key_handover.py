@@ -188,10 +188,10 @@ def _claimed_ids(c) -> list[str]:
 
 
 def test_a_queued_single_receive_holds_its_key_to_its_commit_and_files_no_check(database):
-    """Under READ COMMITTED a single receive that queues a message behind its key's head takes the
-    key's lock shared at once and holds it to its commit, with nothing left to do at commit (no
-    check row, no trigger); a receive that makes a head takes no key lock. The inbox itself has no
-    insert trigger."""
+    """Under READ COMMITTED a single receive that queues a message behind a head another
+    transaction made takes the key's lock shared at once and holds it to its commit, with nothing
+    left to do at commit (no check row, no trigger); a receive that makes a head, or queues behind
+    a head its own transaction made, takes no key lock. The inbox itself has no insert trigger."""
     with database.connect() as c, database.connect(autocommit=True) as observer:
         insert_triggers = c.execute(
             "SELECT tgname FROM pg_trigger WHERE tgrelid = 'postbox.inbox'::regclass"
@@ -201,6 +201,9 @@ def test_a_queued_single_receive_holds_its_key_to_its_commit_and_files_no_check(
         postbox.receive(c, consumer="c", message_id="head", key="k", payload={})
         assert _key_lock(observer, "c", "k") == []
         postbox.receive(c, consumer="c", message_id="next", key="k", payload={})
+        assert _key_lock(observer, "c", "k") == []  # nobody finishes our own head before we commit
+        c.commit()
+        postbox.receive(c, consumer="c", message_id="third", key="k", payload={})
         assert _key_lock(observer, "c", "k") == [("ShareLock", True)]
         assert c.execute("SELECT count(*) FROM postbox.inbox_commit_checks").fetchone() == (0,)
         c.commit()

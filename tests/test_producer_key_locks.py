@@ -196,3 +196,125 @@ def test_a_batch_checks_exactly_the_keys_it_queues_behind_another_transactions_h
     )
     for k in held + new[:100]:
         assert [m for key, m in handled if key == k] == [f"first-{k}", f"second-{k}"]
+
+
+# Single receives: the same rule, one call at a time.
+
+SINGLE_KEYS = 20_000  # two messages each: 20,000 queued messages, more locks than the lock table holds
+
+
+def _receive_loop(c: psycopg.Connection, first: int, keys: int, rounds: int) -> None:
+    """Round ``r`` receives message ``m<i>-<r>`` under key ``k<i>`` for i in first..first+keys-1, one
+    single receive each (in SQL, in one statement of the caller's transaction: faster than the
+    client, and the same function)."""
+    last = first + keys - 1
+    c.execute(
+        f"DO $$ BEGIN FOR r IN 0..{rounds - 1} LOOP FOR i IN {first}..{last} LOOP"
+        " PERFORM postbox.inbox_receive_v1('c', format('m%s-%s', i, r), '{}'::jsonb, format('k%s', i));"
+        " END LOOP; END LOOP; END $$"
+    )
+
+
+@pytest.mark.parametrize("isolation", ["read committed", "repeatable read"])
+def test_a_transaction_receiving_two_messages_under_each_of_twenty_thousand_new_keys_one_call_at_a_time_commits(
+    database, isolation: str
+):
+    """Until 0.10.0 a single receive locked the key of every message it queued, behind its own
+    transaction's heads too (under REPEATABLE READ it filed the key's check at commit, which locks
+    it then): a bulk load through single receives, two per key, filled the lock table. A message
+    queued behind a head its own transaction made now needs neither: nobody finishes that head
+    before the commit."""
+    with database.connect() as c, database.connect(autocommit=True) as observer:
+        c.execute(f"SET TRANSACTION ISOLATION LEVEL {isolation.upper()}")
+        _receive_loop(c, 0, SINGLE_KEYS, rounds=2)  # every key's head first, then its second message
+        assert _key_locks(observer, c.info.backend_pid) == 0
+        assert c.execute("SELECT count(*) FROM postbox.inbox_commit_checks").fetchone() == (0,)
+        c.commit()
+        assert c.execute("SELECT count(*) FROM postbox.key_repairs").fetchone() == (0,)
+        assert c.execute(
+            "SELECT count(*) FILTER (WHERE state = 'ready' AND message_id LIKE '%-0'),"
+            " count(*) FILTER (WHERE state = 'pending' AND message_id LIKE '%-1') FROM postbox.inbox"
+        ).fetchone() == (SINGLE_KEYS, SINGLE_KEYS)
+
+
+@pytest.mark.parametrize("isolation", ["read committed", "repeatable read"])
+def test_a_single_receive_holds_exactly_the_keys_it_queues_behind_another_transactions_head(
+    database, isolation: str
+):
+    """In one transaction: a second message under 50 keys whose heads another transaction made,
+    and two messages under 50 new keys. Under READ COMMITTED it holds the 50 held keys' locks and
+    no other; under REPEATABLE READ those 50 keys, and only they, are checked at commit. Every
+    message is then handled once, in its key's order."""
+    with database.connect() as c, database.connect(autocommit=True) as observer:
+        _receive_loop(c, 0, 50, rounds=1)  # heads of k0..k49, committed
+        c.commit()
+        c.execute(f"SET TRANSACTION ISOLATION LEVEL {isolation.upper()}")
+        c.execute(
+            "DO $$ BEGIN FOR i IN 0..49 LOOP"
+            " PERFORM postbox.inbox_receive_v1('c', format('m%s-1', i), '{}'::jsonb, format('k%s', i));"
+            " END LOOP; END $$"
+        )
+        _receive_loop(c, 50, 50, rounds=2)
+        pid = c.info.backend_pid
+        held = [f"k{i}" for i in range(50)]
+        if isolation == "read committed":
+            assert _key_locks(observer, pid) == 50
+            assert _locked_keys(observer, pid, held) == 50
+            assert c.execute("SELECT count(*) FROM postbox.inbox_commit_checks").fetchone() == (0,)
+        else:
+            assert _key_locks(observer, pid) == 0
+            checked = c.execute("SELECT k FROM postbox.inbox_commit_checks, unnest(keys) k").fetchall()
+            assert sorted(k for (k,) in checked) == sorted(held)
+        c.commit()
+        assert c.execute("SELECT count(*) FROM postbox.key_repairs").fetchone() == (0,)
+        handled = _drain(c)
+    assert len(handled) == 200
+    for i in range(100):
+        assert [m for key, m in handled if key == f"k{i}"] == [f"m{i}-0", f"m{i}-1"]
+
+
+def test_a_single_receive_behind_its_own_head_takes_no_lock_without_a_key_or_with_a_sequence_order(database):
+    """The receive's other paths too: a message without a key whose id is the key of a head the
+    transaction made, and messages of consumers ordering keys by sequence (monotonic, gapless),
+    queued behind their key's head of the same transaction. Each is then handled after its head."""
+    with database.connect() as c, database.connect(autocommit=True) as observer:
+        postbox.declare_consumer(c, "c")
+        postbox.declare_consumer(c, "mono", sequence_mode="monotonic")
+        postbox.declare_consumer(c, "gapless", sequence_mode="gapless")
+        c.commit()
+        postbox.receive(c, consumer="c", message_id="head", key="x", payload={})
+        postbox.receive(c, consumer="c", message_id="x", payload={})  # no key: its id, x, is its key
+        for consumer in ("mono", "gapless"):
+            for seq in (1, 2):
+                postbox.receive(c, consumer=consumer, message_id=f"s{seq}", key="k", sequence=seq, payload={})
+        assert c.execute("SELECT count(*) FROM postbox.inbox WHERE state = 'pending'").fetchone() == (3,)
+        assert _key_locks(observer, c.info.backend_pid) == 0
+        c.commit()
+        assert c.execute("SELECT count(*) FROM postbox.key_repairs").fetchone() == (0,)
+        order: dict[str, list[str]] = {}
+        for _ in range(10):
+            claimed = c.execute(
+                "SELECT x.id, x.attempt, i.consumer, i.message_id FROM unnest(array['c','mono','gapless']) q,"
+                " postbox.inbox_claim_v1(q, 'w', 10, interval '60 s', now()) x JOIN postbox.inbox i ON i.id = x.id"
+            ).fetchall()
+            c.commit()
+            if not claimed:
+                break
+            for _, _, consumer, mid in claimed:
+                order.setdefault(consumer, []).append(mid)
+            _complete(c, [(i, a, "", "") for i, a, _, _ in claimed])
+            c.commit()
+    assert order == {"c": ["head", "x"], "mono": ["s1", "s2"], "gapless": ["s1", "s2"]}
+
+
+def test_a_head_made_in_a_savepoint_counts_as_another_transactions(database):
+    """The documented limit: a head made inside a savepoint carries the savepoint's transaction id,
+    so a message queued behind it after the savepoint still takes the key's lock."""
+    with database.connect() as c, database.connect(autocommit=True) as observer:
+        c.execute("SELECT 1")  # the connection's transaction
+        with c.transaction():  # a savepoint inside it
+            postbox.receive(c, consumer="c", message_id="head", key="k", payload={})
+        assert c.info.transaction_status.name == "INTRANS"
+        postbox.receive(c, consumer="c", message_id="next", key="k", payload={})
+        assert _locked_keys(observer, c.info.backend_pid, ["k"]) == 1
+        c.commit()

@@ -33,6 +33,7 @@ RELEASED = {
     "0008": "a232f1f587855cdce1bf63cb58648c6e2af7bba0ab933f49bda33275d1ded720",  # 0.7.0
     "0009": "1b19896ee73076eccdd75c47f4cee09a8b30d5755a4d4a6db1d750d62caa5296",  # 0.8.0
     "0010": "885002a539fba08de9bfe22fd96f79495c145030a45403893f7aec38f4af0cd4",  # 0.9.0
+    "0011": "954ee27eef4f5dff7be5e76fd2a5582d5c5f871f755611e18b0f41b1fc351f74",  # 0.10.0
 }
 
 
@@ -100,6 +101,7 @@ def test_the_schema_revision_the_code_needs_is_the_newest_it_ships():
         "0008",
         "0009",
         "0010",
+        "0011",
     ]
 
 
@@ -296,7 +298,7 @@ def test_the_previous_release_keeps_working_on_the_new_schema_and_says_so(databa
     assert "Traceback" not in check.stderr, check.stderr
 
 
-@pytest.mark.parametrize("revision", ["0006", "0007", "0008", "0009", "0010"])
+@pytest.mark.parametrize("revision", ["0006", "0007", "0008", "0009", "0010", "0011"])
 def test_a_downgrade_leaves_exactly_the_previous_revisions_schema(pg_server, revision):
     """A revision's downgrade restores what the revision before it made: a database upgraded to
     ``revision`` and downgraded one step has the same tables, indexes, triggers, function bodies
