@@ -33,6 +33,23 @@ def _locked_keys(observer: psycopg.Connection, pid: int, keys: list[str]) -> int
     ).fetchone()[0]
 
 
+def _assert_holds_exactly(
+    c: psycopg.Connection, observer: psycopg.Connection, isolation: str, held: list[str], besides: int = 0
+) -> None:
+    """Under READ COMMITTED the transaction holds the locks of ``held`` (and ``besides`` others) and
+    has no check at commit; under REPEATABLE READ it holds no key lock, and exactly ``held`` are to
+    be checked at commit."""
+    pid = c.info.backend_pid
+    if isolation == "read committed":
+        assert _key_locks(observer, pid) == len(held) + besides
+        assert _locked_keys(observer, pid, held) == len(held)
+        assert c.execute("SELECT count(*) FROM postbox.inbox_commit_checks").fetchone() == (0,)
+    else:
+        assert _key_locks(observer, pid) == 0
+        checked = c.execute("SELECT k FROM postbox.inbox_commit_checks, unnest(keys) k").fetchall()
+        assert sorted(k for (k,) in checked) == sorted(held)
+
+
 def _batches(c: psycopg.Connection, messages: list[tuple[str, str]]) -> None:
     """Receives (message_id, key) pairs for consumer c, 500 per call, in one transaction."""
     for start in range(0, len(messages), 500):
@@ -178,16 +195,8 @@ def test_a_batch_checks_exactly_the_keys_it_queues_behind_another_transactions_h
             + [(f"first-{k}", k) for k in new]
             + [(f"second-{k}", k) for k in new[:100]],
         )
-        pid = c.info.backend_pid
-        if isolation == "read committed":
-            assert _key_locks(observer, pid) == FIRST_KEYS + 200
-            assert _locked_keys(observer, pid, held) == 200
-            assert _locked_keys(observer, pid, new) == 0
-            assert c.execute("SELECT count(*) FROM postbox.inbox_commit_checks").fetchone() == (0,)
-        else:
-            assert _key_locks(observer, pid) == 0
-            checked = c.execute("SELECT k FROM postbox.inbox_commit_checks, unnest(keys) k").fetchall()
-            assert sorted(k for (k,) in checked) == sorted(held)
+        _assert_holds_exactly(c, observer, isolation, held, besides=FIRST_KEYS)
+        assert _locked_keys(observer, c.info.backend_pid, new) == 0
         c.commit()
         assert c.execute("SELECT count(*) FROM postbox.key_repairs").fetchone() == (0,)
         handled = _drain(c)
@@ -255,16 +264,7 @@ def test_a_single_receive_holds_exactly_the_keys_it_queues_behind_another_transa
             " END LOOP; END $$"
         )
         _receive_loop(c, 50, 50, rounds=2)
-        pid = c.info.backend_pid
-        held = [f"k{i}" for i in range(50)]
-        if isolation == "read committed":
-            assert _key_locks(observer, pid) == 50
-            assert _locked_keys(observer, pid, held) == 50
-            assert c.execute("SELECT count(*) FROM postbox.inbox_commit_checks").fetchone() == (0,)
-        else:
-            assert _key_locks(observer, pid) == 0
-            checked = c.execute("SELECT k FROM postbox.inbox_commit_checks, unnest(keys) k").fetchall()
-            assert sorted(k for (k,) in checked) == sorted(held)
+        _assert_holds_exactly(c, observer, isolation, [f"k{i}" for i in range(50)])
         c.commit()
         assert c.execute("SELECT count(*) FROM postbox.key_repairs").fetchone() == (0,)
         handled = _drain(c)
