@@ -273,22 +273,27 @@ def test_a_single_receive_holds_exactly_the_keys_it_queues_behind_another_transa
         assert [m for key, m in handled if key == f"k{i}"] == [f"m{i}-0", f"m{i}-1"]
 
 
-def test_a_single_receive_behind_its_own_head_takes_no_lock_without_a_key_or_with_a_sequence_order(database):
+@pytest.mark.parametrize("isolation", ["read committed", "repeatable read"])
+def test_a_single_receive_behind_its_own_head_takes_no_lock_without_a_key_or_with_a_sequence_order(
+    database, isolation: str
+):
     """The receive's other paths too: a message without a key whose id is the key of a head the
     transaction made, and messages of consumers ordering keys by sequence (monotonic, gapless),
-    queued behind their key's head of the same transaction. Each is then handled after its head."""
+    queued behind their key's head of the same transaction: no lock, no check at commit. Each is
+    then handled after its head."""
     with database.connect() as c, database.connect(autocommit=True) as observer:
         postbox.declare_consumer(c, "c")
         postbox.declare_consumer(c, "mono", sequence_mode="monotonic")
         postbox.declare_consumer(c, "gapless", sequence_mode="gapless")
         c.commit()
+        c.execute(f"SET TRANSACTION ISOLATION LEVEL {isolation.upper()}")
         postbox.receive(c, consumer="c", message_id="head", key="x", payload={})
         postbox.receive(c, consumer="c", message_id="x", payload={})  # no key: its id, x, is its key
         for consumer in ("mono", "gapless"):
             for seq in (1, 2):
                 postbox.receive(c, consumer=consumer, message_id=f"s{seq}", key="k", sequence=seq, payload={})
         assert c.execute("SELECT count(*) FROM postbox.inbox WHERE state = 'pending'").fetchone() == (3,)
-        assert _key_locks(observer, c.info.backend_pid) == 0
+        _assert_holds_exactly(c, observer, isolation, [])
         c.commit()
         assert c.execute("SELECT count(*) FROM postbox.key_repairs").fetchone() == (0,)
         order: dict[str, list[str]] = {}
@@ -318,3 +323,21 @@ def test_a_head_made_in_a_savepoint_counts_as_another_transactions(database):
         postbox.receive(c, consumer="c", message_id="next", key="k", payload={})
         assert _locked_keys(observer, c.info.backend_pid, ["k"]) == 1
         c.commit()
+
+
+def test_a_message_queued_in_a_savepoint_behind_its_transactions_own_head_takes_no_lock(database):
+    """The head made by the transaction itself, outside any savepoint; a message queued behind it
+    inside a savepoint takes no lock (the savepoint cannot outlive the head). Rolled back to the
+    savepoint, the message is gone and the head goes on; the one queued after is handled next."""
+    with database.connect() as c, database.connect(autocommit=True) as observer:
+        postbox.receive(c, consumer="c", message_id="head", key="k", payload={})
+        with c.transaction() as savepoint:  # rolled back
+            postbox.receive(c, consumer="c", message_id="undone", key="k", payload={})
+            assert _key_locks(observer, c.info.backend_pid) == 0
+            raise psycopg.Rollback(savepoint)
+        with c.transaction():  # a savepoint, released
+            postbox.receive(c, consumer="c", message_id="kept", key="k", payload={})
+        assert _key_locks(observer, c.info.backend_pid) == 0
+        c.commit()
+        assert c.execute("SELECT count(*) FROM postbox.key_repairs").fetchone() == (0,)
+        assert _drain(c) == [("k", "head"), ("k", "kept")]

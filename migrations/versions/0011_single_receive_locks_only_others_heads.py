@@ -31,7 +31,7 @@ FUNCTIONS = ["functions/inbox_receive_own_heads_v1.sql"]
 RESTORED = "functions/inbox_receive_keyed_v1.sql"
 _RECEIVE = re.compile(r"^CREATE OR REPLACE FUNCTION postbox\.inbox_receive_v1\(.*?^\$\$;\n", re.M | re.S)
 
-RELEASED_SHA256 = "954ee27eef4f5dff7be5e76fd2a5582d5c5f871f755611e18b0f41b1fc351f74"
+RELEASED_SHA256 = "8a417870f740f52ff0a92fb5a754180656b887b9f69b12891d7fc32a80a1b65e"
 
 
 def statements() -> list[str]:

@@ -11,14 +11,15 @@
 -- are there together, and the head's completion hands over to it, as for the batches (revision
 -- 0010). A head is the transaction's own when its row's version is (xmin is the transaction's id)
 -- and it was received now(): a frozen row keeps an xid from 2^32 transactions ago. A head made in a
--- savepoint has the savepoint's xid, so it still counts as another transaction's (the lock is taken,
--- as before).
+-- savepoint (a batch without keys makes its first rows in one of its own) has the savepoint's xid,
+-- and a head the transaction only updated (claimed, promoted) was received earlier: both still
+-- count as another transaction's (the lock is taken, as before).
 --
 -- Whose head it is costs one more index probe, paid only by a message queued in a transaction
 -- that had written something before this receive: a transaction without an xid when the receive
 -- starts has made no row, so no head can be its own. A receive in a transaction of its own, the
--- usual case, pays only for telling which case it is in (counted with the bench's harness: 0.4 %
--- more server instructions per receive without a key, 1 % with one).
+-- usual case, pays only for telling which case it is in (a one-off count with the bench's
+-- callgrind harness: 0.4 % more server instructions per receive without a key, 1 % with one).
 --
 -- Everything else is as revision 0009 made it (inbox_receive_keyed_v1.sql says which races its one
 -- statement meets, and how each ends). inbox_receive_v1 keeps its signature and results; its body
@@ -90,7 +91,8 @@ BEGIN
     LOCK TABLE ONLY postbox.inbox_dedup IN ROW EXCLUSIVE MODE;
     -- One read: the window and current slot, the consumer's mode and, only if it is not declared,
     -- whether any consumer is; and whether the transaction has written nothing yet (no xid: then
-    -- no head can be its own).
+    -- no head can be its own; unknown, NULL, if the window's row were missing: then the key is
+    -- held as before).
     SELECT c.sequence_mode, c.first_sequence,
            c.name IS NULL AND EXISTS (SELECT 1 FROM postbox.consumers d WHERE d.declared),
            w.current_slot, w.retention, pg_current_xact_id_if_assigned() IS NULL
@@ -192,7 +194,7 @@ BEGIN
                                   WHERE i.consumer = v_consumer AND i.key = v_key AND i.state <> 'pending'
                                     AND i.xmin = pg_current_xact_id()::xid AND i.received_at = now());
             END IF;
-            IF v_fresh OR NOT v_own THEN
+            IF v_fresh IS NOT FALSE OR NOT v_own THEN
                 IF v_rc THEN
                     -- postbox.lock_key_shared_v1(1, ...), inline.
                     PERFORM pg_advisory_xact_lock_shared(1349471041, hashtext(v_consumer || '/' || v_key));
@@ -309,7 +311,7 @@ BEGIN
                                   WHERE i.consumer = v_consumer AND i.key = v_key AND i.state <> 'pending'
                                     AND i.xmin = pg_current_xact_id()::xid AND i.received_at = now());
             END IF;
-            IF v_fresh OR NOT v_own THEN
+            IF v_fresh IS NOT FALSE OR NOT v_own THEN
                 IF v_rc THEN
                     -- postbox.lock_key_shared_v1(1, ...), inline.
                     PERFORM pg_advisory_xact_lock_shared(1349471041, hashtext(v_consumer || '/' || v_key));
@@ -425,7 +427,7 @@ BEGIN
                               WHERE i.consumer = v_consumer AND i.key = v_key AND i.state <> 'pending'
                                 AND i.xmin = pg_current_xact_id()::xid AND i.received_at = now());
         END IF;
-        IF v_fresh OR NOT v_own THEN
+        IF v_fresh IS NOT FALSE OR NOT v_own THEN
             IF v_rc THEN
                 -- postbox.lock_key_shared_v1(1, ...), inline.
                 PERFORM pg_advisory_xact_lock_shared(1349471041, hashtext(v_consumer || '/' || v_key));
