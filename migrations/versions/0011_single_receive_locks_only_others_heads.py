@@ -31,7 +31,7 @@ FUNCTIONS = ["functions/inbox_receive_own_heads_v1.sql"]
 RESTORED = "functions/inbox_receive_keyed_v1.sql"
 _RECEIVE = re.compile(r"^CREATE OR REPLACE FUNCTION postbox\.inbox_receive_v1\(.*?^\$\$;\n", re.M | re.S)
 
-RELEASED_SHA256 = "8a417870f740f52ff0a92fb5a754180656b887b9f69b12891d7fc32a80a1b65e"
+RELEASED_SHA256 = "03babd756e5d45c1ac23f1c3f9dece16532a31802011e97725840708785abf28"
 
 
 def statements() -> list[str]:

@@ -19,7 +19,7 @@
 -- that had written something before this receive: a transaction without an xid when the receive
 -- starts has made no row, so no head can be its own. A receive in a transaction of its own, the
 -- usual case, pays only for telling which case it is in (a one-off count with the bench's
--- callgrind harness: 0.4 % more server instructions per receive without a key, 1 % with one).
+-- callgrind harness: 0.5 % more server instructions per receive without a key, 1 % with one).
 --
 -- Everything else is as revision 0009 made it (inbox_receive_keyed_v1.sql says which races its one
 -- statement meets, and how each ends). inbox_receive_v1 keeps its signature and results; its body
