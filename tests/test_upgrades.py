@@ -34,6 +34,7 @@ RELEASED = {
     "0009": "1b19896ee73076eccdd75c47f4cee09a8b30d5755a4d4a6db1d750d62caa5296",  # 0.8.0
     "0010": "885002a539fba08de9bfe22fd96f79495c145030a45403893f7aec38f4af0cd4",  # 0.9.0
     "0011": "03babd756e5d45c1ac23f1c3f9dece16532a31802011e97725840708785abf28",  # 0.10.0
+    "0012": "d9bf203f771f9b535559b70f51c797ec5b34ffbd102a1c085ce7be5388d9b39d",  # 0.11.0
 }
 
 
@@ -102,6 +103,7 @@ def test_the_schema_revision_the_code_needs_is_the_newest_it_ships():
         "0009",
         "0010",
         "0011",
+        "0012",
     ]
 
 
@@ -298,7 +300,7 @@ def test_the_previous_release_keeps_working_on_the_new_schema_and_says_so(databa
     assert "Traceback" not in check.stderr, check.stderr
 
 
-@pytest.mark.parametrize("revision", ["0006", "0007", "0008", "0009", "0010", "0011"])
+@pytest.mark.parametrize("revision", ["0006", "0007", "0008", "0009", "0010", "0011", "0012"])
 def test_a_downgrade_leaves_exactly_the_previous_revisions_schema(pg_server, revision):
     """A revision's downgrade restores what the revision before it made: a database upgraded to
     ``revision`` and downgraded one step has the same tables, indexes, triggers, function bodies
