@@ -3,8 +3,8 @@ so its cost no longer grows with the messages queued in the inbox.
 
 * inbox_receive_rows_v1 (the batches' core): for a transaction's first 1,000 batched messages under
   READ COMMITTED (keys locked first), whether a key has a head was an EXISTS, which PostgreSQL may
-  run as a hash of the whole inbox, read by a sequential scan once per statement; it chose that at
-  50,000 queued messages. It is now the scalar subquery the path past the first 1,000 messages
+  run as a hash of the whole inbox, read by a sequential scan once per statement; it chose that with
+  50,000 messages queued, so each batch cost more the more messages waited. It is now the scalar subquery the path past the first 1,000 messages
   already used: one probe of the head index per message.
 
 Same statuses, ids and guarantees. The function keeps its signature (body replaced), so processes
@@ -31,7 +31,7 @@ FUNCTIONS = ["functions/inbox_receive_head_probe_v1.sql"]
 RESTORED = "functions/producer_held_keys_v1.sql"
 _ROWS = re.compile(r"^CREATE OR REPLACE FUNCTION postbox\.inbox_receive_rows_v1\(.*?^\$\$;\n", re.M | re.S)
 
-RELEASED_SHA256 = "d9bf203f771f9b535559b70f51c797ec5b34ffbd102a1c085ce7be5388d9b39d"
+RELEASED_SHA256 = "9db1b3c02ba4e1ca313c86722e7b5c6db08749e0242aea862bc0a4e547404938"
 
 
 def statements() -> list[str]:

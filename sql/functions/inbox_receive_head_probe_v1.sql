@@ -8,8 +8,8 @@
 -- may run an EXISTS with only equality conditions as a hashed subplan: the subquery's rows, read by
 -- a sequential scan of the inbox, are hashed once, and each message looks in the hash. The planner
 -- chose it while one scan of the inbox looked cheaper than 500 probes: at 50,000 messages queued
--- under 500 keys, that one scan took 8 ms of a 500-message batch's 14 (a one-off auto_explain
--- reading), and the server's instructions per message grew with the queue (a one-off count with the
+-- under 500 keys, it read all 50,000 rows for each batch of 500 (a one-off auto_explain reading),
+-- and the server's instructions per message grew with the queue (a one-off count with the
 -- bench's callgrind harness, 500 keys, after 60 batches: 235,148 per message, against 138,709
 -- after 2). The same question is now a scalar subquery with LIMIT 1 (false when the key has a
 -- head, NULL when not, as before), which PostgreSQL never hashes: one probe of inbox_head_uq per
