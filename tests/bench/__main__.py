@@ -108,6 +108,9 @@ def compare_receives(b: Bench, n: int, batch: int, with_peers: bool) -> None:
                 sides[name] = stack.enter_context(
                     peers.pgqueuer_side(b.peer("pgqueuer"), batch, dedupe=dedupe)
                 )
+        if batch > 1:  # the outbox's batch beside them, with and without keys
+            for name, keyed in ((report.PUBLISH_MANY_KEYED, True), (report.PUBLISH_MANY, False)):
+                sides[name] = stack.enter_context(b.publish_side(keyed, batch))
         rates = interleaved(sides, n, max(batch, n // 10 // batch * batch))
     for name, rate in rates.items():
         b.record(name, "msg/s", rate)

@@ -35,6 +35,8 @@ RECEIVE_OWN_TX = "receive in the caller's BEGIN/COMMIT"
 RECEIVE_MANY_KEYED = "receive_many, 500 per transaction"
 RECEIVE_MANY = "receive_many, 500 per transaction, no keys"
 PGQUEUER_BATCH = "pgqueuer enqueue, 500 per statement"
+PUBLISH_MANY_KEYED = "publish_many (outbox), 500 per transaction"
+PUBLISH_MANY = "publish_many (outbox), 500 per transaction, no keys"
 PGQUEUER_BATCH_DEDUPE = "pgqueuer enqueue with dedupe keys (skip duplicates), 500 per statement"
 TWO_ROWS_500 = "pgbench ledger + inbox rows with their checks, 500 per statement (no function)"
 INSERT_UPDATE = "pgbench INSERT+UPDATE, -c 4 -j 2"
@@ -236,6 +238,9 @@ CHECKS: tuple[Check, ...] = (
         PGQUEUER_BATCH,
         detail=True,
     ),
+    Check("publish_many over 500 keys / receive_many over 500 keys", PUBLISH_MANY_KEYED, RECEIVE_MANY_KEYED),
+    Check("publish_many, no keys / receive_many, no keys", PUBLISH_MANY, RECEIVE_MANY, detail=True),
+    Check("publish_many, no keys / pgqueuer batch enqueue", PUBLISH_MANY, PGQUEUER_BATCH, detail=True),
     Check(
         "p99 receive→handler / pgqueuer p99 (LISTEN/NOTIFY)",
         LATENCY_LISTEN_P99,

@@ -132,6 +132,27 @@ class Bench(Harness):
 
             yield single if batch == 1 else many
 
+    @contextmanager
+    def publish_side(self, keyed: bool, batch: int) -> Iterator[Chunk]:
+        """``publish_many`` of ``batch`` events per transaction, in a fresh database; over 500 keys if
+        ``keyed``, else each event its own key (a new UUID): the outbox's side of the comparison."""
+        url = self.fresh()
+        with psycopg.connect(url) as c:
+
+            def many(ids: range) -> None:
+                for start in range(ids.start, ids.stop, batch):
+                    postbox.publish_many(
+                        c,
+                        [
+                            {"destination": "bench", "payload": {"i": i}}
+                            | ({"key": f"k{i % 500}"} if keyed else {})
+                            for i in range(start, min(start + batch, ids.stop))
+                        ],
+                    )
+                    c.commit()
+
+            yield many
+
     def receive_in_transaction(self, n: int) -> float:
         """One message per transaction, in the caller's explicit BEGIN ... COMMIT (two more round
         trips than the autocommit receive of ``receive_sides``)."""
