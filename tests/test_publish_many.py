@@ -17,6 +17,7 @@ from psycopg.types.json import Jsonb
 import postbox
 from postbox.schema import migrate
 from tests.conftest import _cloned
+from tests.helpers import eventually
 
 # The revision whose outbox_publish_batch_v1 is the loop.
 LOOP_REVISION = "0012"
@@ -195,3 +196,93 @@ def test_two_batches_starting_the_same_keys_in_opposite_orders_never_deadlock(da
             " (SELECT count(*) FROM postbox.key_repairs) FROM postbox.outbox"
         ).fetchone()
     assert (heads, queued, repairs) == (200, 9 * 200, 0)
+
+
+OUTBOX_KEY_LOCK = 1349471042  # the first half of an outbox key's advisory lock
+
+
+def _drain(url: str) -> list[str]:
+    """Claim and complete until nothing is left (a claim makes the repairs filed): the payloads in the
+    order they were claimed."""
+    order: list[str] = []
+    with psycopg.connect(url) as r:
+        for _ in range(20):
+            rows = r.execute(
+                "SELECT id, attempt, payload FROM postbox.outbox_claim_v1('d', 'w', 10, '1 minute', now())"
+            ).fetchall()
+            r.commit()
+            if not rows and not r.execute("SELECT count(*) FROM postbox.outbox").fetchone()[0]:
+                return order
+            order += [row[2] for row in rows]
+            if rows:
+                r.execute(
+                    "SELECT postbox.outbox_complete_v1(%s, %s, now())",
+                    ([row[0] for row in rows], [row[1] for row in rows]),
+                )
+                r.commit()
+    raise AssertionError(f"the outbox did not drain: {order}")
+
+
+@pytest.mark.parametrize("other_head", ["commits", "rolls back"])
+def test_a_row_committed_while_the_batch_waits_stays_ahead_of_the_batchs_head(database, other_head):
+    """Under READ COMMITTED: a batch [k2, k1] waits for another transaction's head of k1. Meanwhile a
+    row P2, queued behind k2's head H2, commits, and H2 finishes without handing over (a producer's
+    check held k2's lock): k2 has P2 queued, no head, and a repair. The batch's message under k2,
+    written after P2 committed, goes after it: it queues behind P2 instead of becoming k2's head."""
+    url = database.url
+    with psycopg.connect(url, autocommit=True) as c:
+        postbox.publish(c, destination="d", key="k2", payload="H2")
+    with (
+        psycopg.connect(url) as t3,
+        psycopg.connect(url) as t2,
+        psycopg.connect(url) as checker,
+        psycopg.connect(url) as batch_conn,
+        psycopg.connect(url, autocommit=True) as observer,
+    ):
+        postbox.publish(t3, destination="d", key="k1", payload="T3-k1")  # a head of k1, not committed
+        postbox.publish(t2, destination="d", key="k2", payload="P2")  # queued behind H2
+        pid = batch_conn.info.backend_pid
+        failures: list[Exception] = []
+
+        def batch() -> None:
+            try:
+                postbox.publish_many(
+                    batch_conn,
+                    [
+                        {"destination": "d", "key": "k2", "payload": "B-k2"},
+                        {"destination": "d", "key": "k1", "payload": "B-k1"},
+                    ],
+                )
+                batch_conn.commit()
+            except Exception as error:  # reported below
+                failures.append(error)
+
+        thread = threading.Thread(target=batch)
+        thread.start()
+        eventually(
+            lambda: observer.execute(
+                "SELECT wait_event_type = 'Lock' FROM pg_stat_activity WHERE pid = %s", (pid,)
+            ).fetchone()[0]
+        )
+        checker.execute("SELECT pg_advisory_xact_lock_shared(%s, hashtext('d/k2'))", (OUTBOX_KEY_LOCK,))
+        t2.commit()
+        with psycopg.connect(url) as relay:
+            claimed = relay.execute(
+                "SELECT id, attempt, payload FROM postbox.outbox_claim_v1('d', 'w', 10, '1 minute', now())"
+            ).fetchall()
+            assert [row[2] for row in claimed] == ["H2"]
+            relay.execute(
+                "SELECT postbox.outbox_complete_v1(%s, %s, now())", ([claimed[0][0]], [claimed[0][1]])
+            )
+            relay.commit()
+        checker.rollback()
+        if other_head == "commits":
+            t3.commit()
+        else:
+            t3.rollback()
+        thread.join(30)
+        assert not thread.is_alive() and not failures, failures
+    order = _drain(url)
+    k2 = [p for p in order if p in ("P2", "B-k2")]
+    assert k2 == ["P2", "B-k2"], order
+    assert sorted(order) == sorted(["P2", "B-k2", "B-k1"] + (["T3-k1"] if other_head == "commits" else []))

@@ -3,8 +3,11 @@ row, so it costs about what a batch receive of as many messages does.
 
 * outbox_publish_batch_v1: when every message is well formed (one statement checks them all), the
   ids are taken in the loop's order, each key's first message becomes its head unless the key has
-  queued rows or a head already, and the rest queue behind it, all in one statement. A batch with a
-  malformed or large message runs the loop of 0001, which names the first bad field.
+  queued rows or a head already, and the rest queue behind it, all in one statement. Under READ
+  COMMITTED a second statement looks again at the heads it made under keys it was given: behind a
+  row committed while the first waited for another transaction's head, such a head queues instead
+  and the key gets a repair, as the loop left it. A batch with a malformed message runs the loop
+  of 0001, which names the first bad field.
 
 Same ids, order, heads, errors and guarantees. The function keeps its signature (body replaced), so
 processes of earlier releases work on it unchanged. Expand only: no table changes; grants unchanged.
@@ -33,7 +36,7 @@ DEFINER = """
 ALTER FUNCTION postbox.outbox_publish_batch_v1(jsonb) SECURITY DEFINER SET search_path = pg_catalog, postbox, pg_temp;
 """
 
-RELEASED_SHA256 = "c50a89e6b91496041b8b01e52540304eded2f58929dbc02106a60de4341c7070"
+RELEASED_SHA256 = "10f97595d4e03e50fe03f0c13d9287917eb09ed06c857fee2320d0e91f318dfa"
 
 
 def statements() -> list[str]:

@@ -20,11 +20,12 @@
 -- * otherwise its first message becomes the head, the rest queue behind it (no check: nobody can
 --   finish that head before the commit).
 -- Whether a key has queued rows is asked with a scalar subquery (one index probe), never an
--- EXISTS, which PostgreSQL may run as a hash of the whole outbox. A key's first message and its
--- queued rows are looked at in one snapshot, where the loop took a new one for each row: a row
--- another transaction queues meanwhile, under a key without a head, is behind a head this batch
--- makes, as it would be had it committed a moment later (and its own check at commit finds that
--- head).
+-- EXISTS, which PostgreSQL may run as a hash of the whole outbox. The statement looks at every
+-- key's queued rows in one snapshot, where the loop took a new one for each row; under READ
+-- COMMITTED, a row committed while the statement waited for another transaction's head (behind a
+-- head that finished meanwhile) would then come after this batch's head of its key. So each head
+-- the batch made under a key it was given is looked at again, in a new statement: behind such a
+-- row it queues instead, and the key gets a repair, as the loop would have left it.
 --
 -- outbox_publish_batch_v1 keeps its signature and results; its body is replaced (0001's is in
 -- outbox_publish_v1.sql, which the downgrade restores).
@@ -42,6 +43,7 @@ DECLARE
     v_ns     bigint[];
     v_out    bigint[];
     v_dests  text[];
+    v_given  bigint[];
 BEGIN
     IF messages IS NULL OR jsonb_typeof(messages) <> 'array' THEN
         PERFORM postbox.reject_v1('messages', 'must be a JSON array');
@@ -103,6 +105,7 @@ BEGIN
                     ORDER BY s.id);
     WITH r AS MATERIALIZED (
         SELECT x.n, x.destination, x.message_id, coalesce(x.key, x.message_id) AS key, x.m,
+               x.sort_key IS NOT NULL AS given,
                v_ids[row_number() OVER (ORDER BY x.destination, x.sort_key, x.n)] AS id
           FROM (SELECT e.ordinality AS n, e.value AS m, e.value ->> 'destination' AS destination,
                        e.value ->> 'key' AS key,
@@ -133,9 +136,30 @@ BEGIN
          WHERE r.id NOT IN (SELECT h.id FROM h)
          ORDER BY r.id
         RETURNING o.id)
-    SELECT (SELECT array_agg(DISTINCT h.destination) FROM h), array_agg(r.n ORDER BY r.n), array_agg(r.id ORDER BY r.n)
-      INTO v_dests, v_ns, v_out
+    SELECT (SELECT array_agg(DISTINCT h.destination) FROM h),
+           (SELECT array_agg(h.id) FROM h JOIN r g ON g.id = h.id WHERE g.given),
+           array_agg(r.n ORDER BY r.n), array_agg(r.id ORDER BY r.n)
+      INTO v_dests, v_given, v_ns, v_out
       FROM r;
+    IF v_given IS NOT NULL AND current_setting('transaction_isolation') = 'read committed' THEN
+        -- The statement above looked for each key's queued rows in one snapshot, taken before it
+        -- waited, if it did, for another transaction's head of some key (ON CONFLICT); the loop
+        -- looked again for each row. A row queued behind a head that finished meanwhile, committed
+        -- while the statement waited, is not in that snapshot, and the head made after it would go
+        -- first. Looked for again (a new statement: a new snapshot), such a key's head made here
+        -- queues instead, behind that row, and the key gets a repair (the loop's outcome). A key
+        -- this batch made up (a new UUID) has no other rows: not looked at.
+        WITH late AS (
+            UPDATE postbox.outbox o SET state = 'pending'
+             WHERE o.id = ANY (v_given)
+               AND (SELECT true FROM postbox.outbox p
+                     WHERE p.destination = o.destination AND p.key = o.key AND p.state = 'pending'
+                       AND p.position < o.position
+                     LIMIT 1)
+            RETURNING o.destination, o.key)
+        INSERT INTO postbox.key_repairs (origin, queue, key)
+        SELECT 'outbox', late.destination, late.key FROM late;
+    END IF;
     IF v_dests IS NOT NULL AND postbox.notify_enabled_v1() THEN
         PERFORM pg_notify('postbox_outbox', d) FROM unnest(v_dests) AS d;
     END IF;
