@@ -102,6 +102,25 @@ def quantiles(latencies: list[float]) -> dict[str, float]:
     return {"p50": lat[len(lat) // 2], "p99": lat[int(len(lat) * 0.99) - 1], "max": lat[-1]}
 
 
+def _key(i: int, keyed: bool) -> dict[str, str]:
+    """Message ``i``'s key over 500 keys, if ``keyed`` (else none: each message its own key)."""
+    return {"key": f"k{i % 500}"} if keyed else {}
+
+
+def _batches(
+    c: psycopg.Connection[Any], batch: int, send: Callable[..., object], item: Callable[[int], dict[str, Any]]
+) -> Chunk:
+    """A side sending its messages ``batch`` per transaction with ``send`` (``receive_many`` or
+    ``publish_many``) on ``c``, each message ``item(i)``."""
+
+    def many(ids: range) -> None:
+        for start in range(ids.start, ids.stop, batch):
+            send(c, [item(i) for i in range(start, min(start + batch, ids.stop))])
+            c.commit()
+
+    return many
+
+
 class Bench(Harness):
     """The harness with Postbox's workloads; each returns its figure (the caller records it)."""
 
@@ -115,22 +134,14 @@ class Bench(Harness):
 
             def single(ids: range) -> None:
                 for i in ids:
-                    key = {"key": f"k{i % 500}"} if keyed else {}
-                    postbox.receive(c, consumer="bench", message_id=str(i), payload={"i": i}, **key)
-
-            def many(ids: range) -> None:
-                for start in range(ids.start, ids.stop, batch):
-                    postbox.receive_many(
-                        c,
-                        [
-                            {"consumer": "bench", "message_id": str(i), "payload": {"i": i}}
-                            | ({"key": f"k{i % 500}"} if keyed else {})
-                            for i in range(start, min(start + batch, ids.stop))
-                        ],
+                    postbox.receive(
+                        c, consumer="bench", message_id=str(i), payload={"i": i}, **_key(i, keyed)
                     )
-                    c.commit()
 
-            yield single if batch == 1 else many
+            def item(i: int) -> dict[str, Any]:
+                return {"consumer": "bench", "message_id": str(i), "payload": {"i": i}} | _key(i, keyed)
+
+            yield single if batch == 1 else _batches(c, batch, postbox.receive_many, item)
 
     @contextmanager
     def publish_side(self, keyed: bool, batch: int) -> Iterator[Chunk]:
@@ -138,20 +149,12 @@ class Bench(Harness):
         ``keyed``, else each event its own key (a new UUID): the outbox's side of the comparison."""
         url = self.fresh()
         with psycopg.connect(url) as c:
-
-            def many(ids: range) -> None:
-                for start in range(ids.start, ids.stop, batch):
-                    postbox.publish_many(
-                        c,
-                        [
-                            {"destination": "bench", "payload": {"i": i}}
-                            | ({"key": f"k{i % 500}"} if keyed else {})
-                            for i in range(start, min(start + batch, ids.stop))
-                        ],
-                    )
-                    c.commit()
-
-            yield many
+            yield _batches(
+                c,
+                batch,
+                postbox.publish_many,
+                lambda i: {"destination": "bench", "payload": {"i": i}} | _key(i, keyed),
+            )
 
     def receive_in_transaction(self, n: int) -> float:
         """One message per transaction, in the caller's explicit BEGIN ... COMMIT (two more round
