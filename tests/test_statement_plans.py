@@ -36,13 +36,13 @@ def _seq_scans(plan: dict[str, Any]) -> Iterator[str]:
         yield from _seq_scans(child)
 
 
-@pytest.fixture(scope="module")
-def queued_template(pg_server, template_db) -> Iterator[str]:
+@contextmanager
+def _queued_database(pg_server, template_db, name: str, analyzed_at: int | None) -> Iterator[str]:
     """A database whose inbox and outbox hold ``KEYS`` keys of ``QUEUED`` messages each (a head, the
     rest queued behind it), all committed by other transactions, and both ledger slots holding
-    receipts; autovacuum off, so that its
-    tables stay never analyzed until a test says so. Its name: the tests use copies of it."""
-    with contextmanager(_cloned)(pg_server, "postbox_plans", template_db) as db:
+    receipts; autovacuum off, so that its tables keep the statistics the test gave them: none, or
+    those of ``ANALYZE`` run before batch ``analyzed_at``. Its name: the tests use copies of it."""
+    with contextmanager(_cloned)(pg_server, name, template_db) as db:
         with db.connect() as c:
             try:
                 c.execute("LOAD 'auto_explain'")
@@ -56,6 +56,9 @@ def queued_template(pg_server, template_db) -> Iterator[str]:
             for (table,) in tables:
                 c.execute(f"ALTER TABLE {table} SET (autovacuum_enabled = off)")
             for b in range(QUEUED):
+                if b == analyzed_at:
+                    c.execute("ANALYZE")
+                    c.commit()
                 if b == QUEUED // 2:
                     # The ledger's slots rotate, so that both hold receipts (an empty table is
                     # rightly scanned).
@@ -75,10 +78,28 @@ def queued_template(pg_server, template_db) -> Iterator[str]:
         yield db.name
 
 
-@pytest.fixture(scope="module", params=["never analyzed", "analyzed"])
-def queued(request, pg_server, queued_template) -> Iterator[str]:
-    """A copy of ``queued_template``, its statistics as the parameter says."""
-    with contextmanager(_cloned)(pg_server, "postbox_plans_copy", queued_template) as db:
+@pytest.fixture(scope="module")
+def queued_template(pg_server, template_db) -> Iterator[str]:
+    """The queued database, never analyzed."""
+    with _queued_database(pg_server, template_db, "postbox_plans", None) as name:
+        yield name
+
+
+@pytest.fixture(scope="module")
+def grown_template(pg_server, template_db) -> Iterator[str]:
+    """The queued database, analyzed while it was empty (as right after the schema was made) and
+    filled since: the statistics of a queue that grew before autovacuum analyzed it again."""
+    with _queued_database(pg_server, template_db, "postbox_plans_grown", 0) as name:
+        yield name
+
+
+@pytest.fixture(scope="module", params=["never analyzed", "analyzed", "analyzed empty, then grown"])
+def queued(request, pg_server) -> Iterator[str]:
+    """A copy of the queued database, its statistics as the parameter says."""
+    template = request.getfixturevalue(
+        "grown_template" if request.param.endswith("grown") else "queued_template"
+    )
+    with contextmanager(_cloned)(pg_server, "postbox_plans_copy", template) as db:
         if request.param == "analyzed":
             with db.connect(autocommit=True) as c:
                 c.execute("ANALYZE")
