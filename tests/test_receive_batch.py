@@ -397,3 +397,87 @@ def test_small_batches_take_no_subtransaction(conn):
         ("",),
         (None,),
     }
+
+
+# Texts an array literal must quote or escape: quotes, backslashes, the literal's own punctuation,
+# blanks, the word NULL, and non-ASCII.
+AWKWARD = [
+    '"',
+    "\\",
+    'a"b\\c',
+    "{x}",
+    "a,b",
+    " lead",
+    "trail ",
+    "NULL",
+    "null",
+    "tab\there",
+    "line\nbreak",
+    "é✓",
+]
+
+
+def test_array_literals_give_the_server_the_lists_themselves(conn):
+    """A batch's lists are bound as array literals on a psycopg connection: every text arrives as
+    it was, NULLs included, and integers too."""
+    from postbox.db.connector import int_array, text_array
+
+    for values in (AWKWARD, [None, *AWKWARD, None], ["plain", "ids"], [None], []):
+        assert conn.execute("SELECT CAST(%s AS text[])", (text_array(values),)).fetchone() == (values,)
+    for numbers in ([1, 2, 3], [None, 0, 2**62, None], []):
+        assert conn.execute("SELECT CAST(%s AS bigint[])", (int_array(numbers),)).fetchone() == (numbers,)
+
+
+@pytest.mark.parametrize("mixed", [False, True], ids=["one-consumer", "mixed-consumers"])
+def test_awkward_texts_are_stored_as_given_through_psycopg_and_sqlalchemy(database, mixed):
+    """Ids, keys, types and references that need quoting in an array literal are stored exactly as
+    given, by a psycopg connection (array literals) and a SQLAlchemy session (lists) alike."""
+    from sqlalchemy import create_engine
+    from sqlalchemy.orm import Session
+
+    from postbox.config.settings import sqlalchemy_url
+
+    def batch(prefix: str) -> list[dict[str, Any]]:
+        return [
+            {
+                "consumer": f"c{i % 2}" if mixed else "c",
+                "message_id": f"{prefix}{text}",
+                "key": text,
+                "type": text,
+                "source": text if i % 3 else None,
+                "sequence": i if i % 2 else None,
+                "payload": {"t": text},
+                "headers": {"h": text},
+            }
+            for i, text in enumerate(AWKWARD)
+        ]
+
+    stored = "SELECT message_id, key, type, source, sequence, payload, headers FROM postbox.inbox WHERE message_id LIKE %s ORDER BY id"
+    with database.connect() as c:
+        results = postbox.receive_many(c, batch("p:"))
+        c.commit()
+        assert [r.status.value for r in results] == ["new"] * len(AWKWARD)
+        by_psycopg = c.execute(stored, ("p:%",)).fetchall()
+    engine = create_engine(sqlalchemy_url(database.url))
+    try:
+        with Session(engine) as session:
+            assert all(r.is_new for r in postbox.receive_many(session, batch("s:")))
+            session.commit()
+    finally:
+        engine.dispose()
+    with database.connect() as c:
+        by_sqlalchemy = c.execute(stored, ("s:%",)).fetchall()
+    expected = [
+        (
+            f"p:{m['message_id'][2:]}",
+            m["key"],
+            m["type"],
+            m["source"],
+            m["sequence"],
+            m["payload"],
+            m["headers"],
+        )
+        for m in batch("p:")
+    ]
+    assert by_psycopg == expected
+    assert [(f"p:{r[0][2:]}", *r[1:]) for r in by_sqlalchemy] == expected

@@ -13,8 +13,9 @@ SELECT status, inbox_id FROM postbox.inbox_receive_v1(
 SELECT postbox.max_payload_bytes_v1(), postbox.max_headers_bytes_v1();
 
 -- name: inbox_receive_columns
--- A batch to one consumer; inbox_receive_arrays is the same batch mixing consumers.
-SELECT ordinality, status, inbox_id FROM postbox.inbox_receive_columns_v1(
+-- A batch to one consumer; inbox_receive_arrays is the same batch mixing consumers. Each
+-- message's status and id, in the batch's order (the order is all the client needs of ordinality).
+SELECT status, inbox_id FROM postbox.inbox_receive_columns_v1(
     consumer => :consumer, message_ids => CAST(:message_ids AS text[]), payloads => CAST(:payloads AS jsonb),
     keys => CAST(:keys AS text[]), types => CAST(:types AS text[]), sequences => CAST(:sequences AS bigint[]),
     headers => CAST(:headers AS jsonb), schema_versions => CAST(:schema_versions AS integer[]),
@@ -23,7 +24,7 @@ SELECT ordinality, status, inbox_id FROM postbox.inbox_receive_columns_v1(
 ORDER BY ordinality;
 
 -- name: inbox_receive_arrays
-SELECT ordinality, status, inbox_id FROM postbox.inbox_receive_arrays_v1(
+SELECT status, inbox_id FROM postbox.inbox_receive_arrays_v1(
     CAST(:consumers AS text[]), CAST(:message_ids AS text[]), CAST(:payloads AS jsonb[]), CAST(:keys AS text[]),
     CAST(:types AS text[]), CAST(:sequences AS bigint[]), CAST(:headers AS jsonb[]),
     CAST(:schema_versions AS integer[]), CAST(:correlation_ids AS text[]), CAST(:causation_ids AS text[]),

@@ -33,6 +33,7 @@ __all__ = [
     "run_async",
     "run_dicts",
     "send_raw",
+    "text_array",
 ]
 
 AnySyncConnection = psycopg.Connection[Any] | Session | SAConnection
@@ -79,11 +80,32 @@ def run(conn: AnySyncConnection, q: Query, params: dict[str, Any]) -> Rows:
 _TUPLES_OK = psycopg.pq.ExecStatus.TUPLES_OK
 
 
-def int_array(values: list[int]) -> str:
-    """``values`` as a PostgreSQL array literal (``{1,2,3}``), for a parameter cast to an integer
-    array: psycopg adapts a list element by element in Python, which costs a batch's completion
-    more than its round trip."""
+def int_array(values: Sequence[int | None]) -> str:
+    """``values`` as a PostgreSQL array literal (``{1,2,3}``, None as ``NULL``), for a parameter
+    cast to an integer array: psycopg adapts a list element by element in Python, which costs a
+    batch's completion more than its round trip."""
+    if None in values:
+        return "{" + ",".join("NULL" if v is None else str(v) for v in values) + "}"
     return "{" + ",".join(map(str, values)) + "}"
+
+
+def text_array(values: Sequence[str | None]) -> str:
+    """``values`` as a PostgreSQL array literal, each element quoted (``{"a","b"}``, None as
+    ``NULL``), for a parameter cast to ``text[]`` (or ``jsonb[]``, from JSON texts). psycopg adapts a
+    list element by element in Python: about 0.4 ms for a batch's 500 message ids, a tenth of what
+    the server takes to store them. The texts must hold no NUL (no PostgreSQL text can)."""
+    if not values:
+        return "{}"
+    if None in values:
+        return "{" + ",".join("NULL" if v is None else f'"{_array_escaped(v)}"' for v in values) + "}"
+    whole = "".join(values)  # type: ignore[arg-type]  # no None, checked above
+    if '"' in whole or "\\" in whole:  # quoted, only these two need a backslash
+        return '{"' + '","'.join(map(_array_escaped, values)) + '"}'  # type: ignore[arg-type]
+    return '{"' + '","'.join(values) + '"}'  # type: ignore[arg-type]
+
+
+def _array_escaped(value: str) -> str:
+    return value.replace("\\", "\\\\").replace('"', '\\"')
 
 
 def _has_rows(result: psycopg.pq.abc.PGresult | None) -> bool:

@@ -11,9 +11,11 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+import psycopg
+
 from postbox import limits
 from postbox.db import AnyAsyncConnection, AnySyncConnection
-from postbox.db.connector import first
+from postbox.db.connector import first, int_array, text_array
 from postbox.limits import Large, run_checked, run_checked_async
 from postbox.messages import (
     INBOX_DEFAULTS,
@@ -94,10 +96,21 @@ def _batch_large(items: list[dict[str, Any]], name: str, params: dict[str, Any])
     return found
 
 
-def _batch(items: list[dict[str, Any]]) -> tuple[str, dict[str, Any], list[Large]]:
-    """A checked batch's query, bind parameters and what to check against the limits."""
+# The batch's integer columns; every other list it binds is text (jsonb[] from JSON texts).
+_INTEGER_COLUMNS = frozenset({"sequences", "schema_versions"})
+
+
+def _batch(items: list[dict[str, Any]], conn: object) -> tuple[str, dict[str, Any], list[Large]]:
+    """A checked batch's query, bind parameters and what to check against the limits. On a psycopg
+    connection its lists are bound as array literals, which the query casts: psycopg would adapt
+    them element by element in Python. Through SQLAlchemy, whose driver may be any, they stay lists."""
     name, params = _batch_call(items)
-    return name, params, _batch_large(items, name, params)
+    found = _batch_large(items, name, params)
+    if isinstance(conn, psycopg.Connection | psycopg.AsyncConnection):
+        for column, values in params.items():
+            if type(values) is list:
+                params[column] = int_array(values) if column in _INTEGER_COLUMNS else text_array(values)
+    return name, params, found
 
 
 def _one(message: InboxMessage | None, fields: dict[str, Any]) -> list[dict[str, Any]]:
@@ -120,10 +133,10 @@ def _receive_result(row: Sequence[Any]) -> ReceiveResult:
 
 
 def _receive_results(rows: Iterable[Sequence[Any]]) -> list[ReceiveResult]:
-    """One result per (ordinality, status, inbox_id) row: built field by field, since a batch
-    builds one per message and the checked constructor costs twice as much."""
+    """One result per (status, inbox_id) row: built field by field, since a batch builds one per
+    message and the checked constructor costs twice as much."""
     results = []
-    for _, status, inbox_id in rows:
+    for status, inbox_id in rows:
         r = _new_result(ReceiveResult)
         _set_field(r, "status", _STATUSES[status])
         _set_field(r, "inbox_id", inbox_id)
@@ -155,7 +168,7 @@ def receive_many(
     if not items:
         return []
     with tracing.producing("send", items, "consumer") as items:
-        return _receive_results(run_checked(conn, *_batch(items)))
+        return _receive_results(run_checked(conn, *_batch(items, conn)))
 
 
 async def receive_async(
@@ -176,4 +189,4 @@ async def receive_many_async(
     if not items:
         return []
     with tracing.producing("send", items, "consumer") as items:
-        return _receive_results(await run_checked_async(conn, *_batch(items)))
+        return _receive_results(await run_checked_async(conn, *_batch(items, conn)))
