@@ -6,10 +6,11 @@ import math
 from typing import Any
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import event, given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
+import postbox
 from postbox.messages import INBOX_DEFAULTS, InboxMessage, invalid_message_from, plain_inbox_item
 
 _TEXTS = st.one_of(
@@ -142,3 +143,74 @@ def _same(a: Any, b: Any) -> bool:
     if isinstance(a, list | tuple) and isinstance(b, list | tuple):
         return type(a) is type(b) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
     return type(a) is type(b) and a == b
+
+
+_ANY = st.one_of(_TEXTS, _VALUES, st.just(None), st.integers(min_value=-1, max_value=2**31))
+_GOOD = {  # values the shortcut usually takes, so that whole batches pass often
+    "payload": _JSON,
+    "headers": st.dictionaries(st.text(max_size=3), st.integers(0, 9), max_size=2),
+    "sequence": st.one_of(st.none(), st.integers(0, 9)),
+    "schema_version": st.integers(1, 3),
+}
+
+
+@st.composite
+def _same_shaped_batches(draw: st.DrawFn) -> list[Any]:
+    """Batches whose dicts mostly share their fields (the shape the column-wise check takes),
+    with values mostly valid and now and then anything; sometimes a message of another shape, or
+    not a dict at all."""
+    clean = draw(st.booleans())  # half the batches: only valid values, the usual fields
+    names = draw(st.sets(st.sampled_from(_FIELDS[3:-1] if clean else _FIELDS[3:])))
+    names |= {"consumer", "message_id", "payload"}
+    if not clean:
+        names -= draw(st.sets(st.sampled_from(["consumer", "message_id", "payload"]), max_size=1))
+    good_text = st.text(st.characters(max_codepoint=127, exclude_characters="\x00"), min_size=1, max_size=6)
+
+    def value(name: str) -> st.SearchStrategy[Any]:
+        good = _GOOD.get(name, good_text)
+        return good if clean else st.one_of(good, good, good, good, good, _ANY)
+
+    one = st.fixed_dictionaries({name: value(name) for name in sorted(names)})
+    batch = draw(st.lists(one, min_size=1, max_size=4))
+    if not clean and draw(st.booleans()):
+        batch.insert(draw(st.integers(0, len(batch))), draw(st.one_of(st.just(object()), _JSON)))
+    return batch
+
+
+@settings(max_examples=1500, deadline=None)
+@given(_same_shaped_batches())
+def test_the_column_wise_check_never_takes_what_one_by_one_would_refuse(batch: list[Any]) -> None:
+    """A batch the column-wise check takes is one whose every message the one-by-one shortcut
+    takes (and so the model), unchanged."""
+    from postbox.messages import _PLAIN, _plain_batch, _plain_item
+
+    taken = _plain_batch(_PLAIN[InboxMessage], batch)
+    event(f"taken: {taken is not None}")
+    if taken is None:
+        return
+    assert taken == batch and all(a is b for a, b in zip(taken, batch, strict=True))
+    for fields in batch:
+        assert _plain_item(_PLAIN[InboxMessage], fields) is fields
+
+
+def test_a_usual_batch_is_checked_column_wise_and_handed_back_as_a_new_list() -> None:
+    """The usual batch takes the column-wise check; the caller's list is never the one returned."""
+    from postbox.messages import _PLAIN, _plain_batch, batch_items
+
+    batch = [
+        {
+            "consumer": "c",
+            "message_id": f"m{i}",
+            "payload": {"i": i, "s": "x"},
+            "key": f"k{i % 3}",
+            "sequence": i,
+        }
+        for i in range(10)
+    ]
+    assert _plain_batch(_PLAIN[InboxMessage], batch) is batch
+    items = batch_items(InboxMessage, batch)
+    assert items == batch and items is not batch
+    # one message unlike the others: each is checked on its own, and the bad one is named
+    with pytest.raises(postbox.InvalidMessage) as info:
+        batch_items(InboxMessage, [*batch, {"consumer": "c", "message_id": "", "payload": 1}])
+    assert info.value.field == "messages[10].message_id"

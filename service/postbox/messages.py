@@ -23,6 +23,7 @@ from postbox.values import (
     SCHEMA_VERSION_MAX,
     SEQUENCE_MAX,
     TYPE_MAX_BYTES,
+    _json_ok,
     check_json,
     check_text,
     to_json,
@@ -142,6 +143,10 @@ def batch_items(model: type[_Message], messages: Iterable[_Message | dict[str, A
     (:func:`_plain_item`: an absent field stands for its default), any other dict through
     ``model``, which names the element and the bad field; a ``model`` as its :meth:`batch_item`."""
     spec = _PLAIN[model]
+    messages = list(messages)  # a list of our own (the caller's is never handed back)
+    plain = _plain_batch(spec, messages)
+    if plain is not None:
+        return plain
     items = []
     for i, m in enumerate(messages):
         if isinstance(m, dict):
@@ -233,6 +238,67 @@ def _plain_item(spec: _Plain, fields: dict[str, Any]) -> dict[str, Any] | None:
     except ValueError:
         return None
     return fields
+
+
+_NONE = type(None)
+
+
+def _plain_batch(spec: _Plain, messages: list[Any]) -> list[dict[str, Any]] | None:
+    """``messages`` themselves if they are dicts with the same fields that :func:`_plain_item`
+    would each take as they are, else None (and each is then checked on its own, which names the
+    first bad one). The same checks, made column by column: a batch's usual shape costs a third of
+    checking its messages one by one. Stricter where that is cheaper (any non-ASCII text, or a JSON
+    value only the slow walk takes, sends the batch the long way), never looser: a test holds it
+    to that."""
+    if not messages or set(map(type, messages)) != {dict}:
+        return None
+    names = messages[0].keys()
+    if (
+        set(map(len, messages)) != {len(names)}
+        or not names <= spec.fields
+        or "payload" not in names
+        or not names >= set(spec.required)
+    ):
+        return None
+    texts = spec.texts
+    try:
+        for name in names:
+            column = [m[name] for m in messages]  # KeyError: not every message has the same fields
+            kinds = set(map(type, column))
+            limit = texts.get(name)
+            if limit is not None:
+                if kinds != {str}:
+                    if kinds not in ({str, _NONE}, {_NONE}) or name in spec.required:
+                        return None
+                    column = [v for v in column if v is not None]
+                    if not column:
+                        continue
+                joined = "".join(column)
+                if (
+                    not joined.isascii()
+                    or "\x00" in joined
+                    or not 0 < min(map(len, column)) <= max(map(len, column)) <= limit
+                ):
+                    return None
+            elif name in {"payload", "headers"}:
+                if name == "headers" and kinds != {dict}:
+                    return None
+                for value in column:
+                    if not _json_ok(value):
+                        return None
+            elif name == "sequence":
+                if not kinds <= {int, _NONE}:
+                    return None
+                column = [v for v in column if v is not None] if _NONE in kinds else column
+                if column and not 0 <= min(column) <= max(column) <= SEQUENCE_MAX:
+                    return None
+            elif (
+                kinds != {int} or not 1 <= min(column) <= max(column) <= SCHEMA_VERSION_MAX
+            ):  # schema_version
+                return None
+    except KeyError:
+        return None
+    return messages
 
 
 class ReceiveStatus(StrEnum):
