@@ -23,9 +23,9 @@ from postbox.values import (
     SCHEMA_VERSION_MAX,
     SEQUENCE_MAX,
     TYPE_MAX_BYTES,
-    _json_ok,
     check_json,
     check_text,
+    json_plainly_ok,
     to_json,
     to_sql_json,
     utf8_size,
@@ -284,7 +284,7 @@ def _plain_batch(spec: _Plain, messages: list[Any]) -> list[dict[str, Any]] | No
                 if name == "headers" and kinds != {dict}:
                     return None
                 for value in column:
-                    if not _json_ok(value):
+                    if not json_plainly_ok(value):
                         return None
             elif name == "sequence":
                 if not kinds <= {int, _NONE}:

@@ -23,6 +23,7 @@ __all__ = [
     "TYPE_MAX_BYTES",
     "check_json",
     "check_text",
+    "json_plainly_ok",
     "to_json",
     "to_sql_json",
     "utf8_size",
@@ -74,7 +75,7 @@ def check_text(value: str | None, max_bytes: int) -> str | None:
     return value
 
 
-def _json_ok(value: Any) -> bool:
+def json_plainly_ok(value: Any) -> bool:
     """True if jsonb can hold ``value`` as JSON within the nesting and number limits (the fast
     walk, iterative so that no nesting exhausts the stack; _explain_json says what is wrong)."""
     kind = type(value)
@@ -134,7 +135,7 @@ def _utf8_ok(value: str) -> bool:
 def check_json(value: Any) -> None:
     """Refuse what PostgreSQL's jsonb cannot hold, JSON cannot express, or breaks the nesting and
     number limits, saying where."""
-    if not _json_ok(value):  # or only unusual types (str or int subclasses): the slow walk decides
+    if not json_plainly_ok(value):  # or only unusual types (str or int subclasses): the slow walk decides
         _explain_json(value)
 
 
