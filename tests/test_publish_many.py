@@ -149,3 +149,64 @@ def test_a_row_committed_while_the_batch_waits_stays_ahead_of_the_batchs_head(da
     k2 = [p for p in order if p in ("P2", "B-k2")]
     assert k2 == ["P2", "B-k2"], order
     assert sorted(order) == sorted(["P2", "B-k2", "B-k1"] + (["T3-k1"] if other_head == "commits" else []))
+
+
+def test_a_key_waiting_for_its_repair_keeps_its_queued_events_ahead_of_the_batch(database):
+    """A key whose head finished without handing over (its lock was held) has an event queued, no
+    head and a repair. A batch's first event under that key does not become its head: it steps back
+    behind the queued event (the batch filing the key's repair too), and the key drains in the order
+    published."""
+    url = database.url
+    with psycopg.connect(url, autocommit=True) as c:
+        postbox.publish(c, destination="d", key="k", payload="H")
+        postbox.publish(c, destination="d", key="k", payload="P")
+    with psycopg.connect(url) as checker, psycopg.connect(url) as relay:
+        checker.execute("SELECT pg_advisory_xact_lock_shared(%s, hashtext('d/k'))", (OUTBOX_KEY_LOCK,))
+        claimed = relay.execute(
+            "SELECT id, attempt, payload FROM postbox.outbox_claim_v1('d', 'w', 10, '1 minute', now())"
+        ).fetchall()
+        assert [row[2] for row in claimed] == ["H"]
+        relay.execute("SELECT postbox.outbox_complete_v1(%s, %s, now())", ([claimed[0][0]], [claimed[0][1]]))
+        relay.commit()
+        checker.rollback()
+    with psycopg.connect(url) as c:
+        assert c.execute("SELECT payload, state FROM postbox.outbox").fetchall() == [("P", "pending")]
+        ids = postbox.publish_many(
+            c,
+            [
+                {"destination": "d", "key": "k", "payload": "B1"},
+                {"destination": "d", "key": "other", "payload": "X"},
+                {"destination": "d", "key": "k", "payload": "B2"},
+            ],
+        )
+        c.commit()
+        assert ids == sorted(ids)
+        states = dict(c.execute("SELECT payload, state FROM postbox.outbox").fetchall())
+        assert states == {"P": "pending", "B1": "pending", "B2": "pending", "X": "ready"}
+    order = _drain(url)
+    assert [p for p in order if p != "X"] == ["P", "B1", "B2"], order
+
+
+def test_a_batch_makes_its_keys_heads_and_queues_the_rest_as_single_publishes_would(database):
+    """The same batch through publish_many and through one publish per event (each in its own
+    database state: same keys, some with a head already): every event gets the same state, and each
+    key's events the same relative order."""
+    events = [{"destination": d, "key": k, "payload": i} for i, (d, k) in enumerate(
+        [("a", "x"), ("b", "x"), ("a", "y"), ("a", "x"), ("b", "z"), ("a", "y"), ("a", "w")])]  # fmt: skip
+    results = []
+    for many in (True, False):
+        with psycopg.connect(database.url) as c:
+            c.execute("DELETE FROM postbox.outbox")
+            postbox.publish(c, destination="a", key="y", payload="old head")
+            c.commit()
+            if many:
+                postbox.publish_many(c, events)
+            else:
+                for e in events:
+                    postbox.publish(c, **e)
+            c.commit()
+            rows = c.execute(
+                "SELECT destination, key, payload, state FROM postbox.outbox ORDER BY destination, key, position"
+            ).fetchall()
+            results.append(rows)
+    assert results[0] == results[1]

@@ -35,6 +35,7 @@ RELEASED = {
     "0010": "885002a539fba08de9bfe22fd96f79495c145030a45403893f7aec38f4af0cd4",  # 0.9.0
     "0011": "03babd756e5d45c1ac23f1c3f9dece16532a31802011e97725840708785abf28",  # 0.10.0
     "0012": "9db1b3c02ba4e1ca313c86722e7b5c6db08749e0242aea862bc0a4e547404938",  # 0.11.0
+    "0013": "d1a2fa14bde8ab11360752118b2e2c22e16baec5d3303f2dabd7d700a5d2ebcd",  # 0.12.0
 }
 
 
@@ -104,6 +105,7 @@ def test_the_schema_revision_the_code_needs_is_the_newest_it_ships():
         "0010",
         "0011",
         "0012",
+        "0013",
     ]
 
 
@@ -300,7 +302,7 @@ def test_the_previous_release_keeps_working_on_the_new_schema_and_says_so(databa
     assert "Traceback" not in check.stderr, check.stderr
 
 
-@pytest.mark.parametrize("revision", ["0006", "0007", "0008", "0009", "0010", "0011", "0012"])
+@pytest.mark.parametrize("revision", ["0006", "0007", "0008", "0009", "0010", "0011", "0012", "0013"])
 def test_a_downgrade_leaves_exactly_the_previous_revisions_schema(pg_server, revision):
     """A revision's downgrade restores what the revision before it made: a database upgraded to
     ``revision`` and downgraded one step has the same tables, indexes, triggers, function bodies

@@ -1,0 +1,63 @@
+"""A batch publish (publish_many, outbox_publish_batch_v1) writes its events in a few statements for
+the whole batch, instead of one call of the single publish per event.
+
+* outbox_publish_batch_v1: the checks find, in one pass, the events that may be wrong and check only
+  those one by one (same errors); ids are taken in the batch's order; the first event of each key
+  tries to become its head in one statement, keys in one global order; a head just made whose key
+  has earlier events queued steps back behind them and files the key's repair (looked for in a new
+  statement, after any wait for another transaction's head); every other event is queued in one
+  statement.
+
+Same ids, order, errors and guarantees. The function keeps its signature (body replaced), so
+processes of earlier releases work on it unchanged. Expand only: no table changes; grants unchanged.
+
+Revision ID: 0013
+Revises: 0012
+Create Date: 2026-12-07
+"""
+
+import re
+
+from postbox.schema.apply_sql import apply_frozen, sql_file_text
+
+revision = "0013"
+down_revision = "0012"
+branch_labels = None
+depends_on = None
+
+FUNCTIONS = ["functions/outbox_publish_rows_v1.sql"]
+
+# Back to 0012: the loop of 0001, taken from its file, run as its owner as roles_v1.sql made it
+# (CREATE OR REPLACE resets that).
+RESTORED = "functions/outbox_publish_v1.sql"
+_BATCH = re.compile(r"^CREATE OR REPLACE FUNCTION postbox\.outbox_publish_batch_v1\(.*?^\$\$;\n", re.M | re.S)
+_DEFINER = (
+    "ALTER FUNCTION postbox.outbox_publish_batch_v1(jsonb)"
+    " SECURITY DEFINER SET search_path = pg_catalog, postbox, pg_temp"
+)
+
+RELEASED_SHA256 = "d1a2fa14bde8ab11360752118b2e2c22e16baec5d3303f2dabd7d700a5d2ebcd"
+
+
+def statements() -> list[str]:
+    """Every SQL text this revision applies, in order."""
+    return [sql_file_text(f) for f in FUNCTIONS]
+
+
+def downgrade_statements() -> list[str]:
+    batch = _BATCH.findall(sql_file_text(RESTORED))
+    assert len(batch) == 1, "revision 0001's batch publish"
+    return [*batch, _DEFINER]
+
+
+def frozen() -> list[str]:
+    """All the SQL of this revision, both ways: what RELEASED_SHA256 pins."""
+    return [*statements(), *downgrade_statements()]
+
+
+def upgrade() -> None:
+    apply_frozen(revision, RELEASED_SHA256, frozen(), run=statements())
+
+
+def downgrade() -> None:
+    apply_frozen(revision, RELEASED_SHA256, frozen(), run=downgrade_statements())
