@@ -210,3 +210,72 @@ def test_a_batch_makes_its_keys_heads_and_queues_the_rest_as_single_publishes_wo
             ).fetchall()
             results.append(rows)
     assert results[0] == results[1]
+
+
+def _key_locks_held(observer: psycopg.Connection, pid: int) -> set[str]:
+    """The outbox key locks (shared) ``pid`` holds, as 'destination/key' of the keys given."""
+    rows = observer.execute(
+        "SELECT l.objid::int FROM pg_locks l WHERE l.pid = %s AND l.locktype = 'advisory'"
+        " AND l.classid::bigint = %s AND l.mode = 'ShareLock' AND l.granted",
+        (pid, OUTBOX_KEY_LOCK),
+    ).fetchall()
+    return {r[0] for r in rows}
+
+
+def _hash(observer: psycopg.Connection, name: str) -> int:
+    return observer.execute("SELECT hashtext(%s)", (name,)).fetchone()[0]
+
+
+@pytest.mark.parametrize("isolation", ["read committed", "repeatable read"])
+def test_a_batch_queued_behind_another_transactions_head_that_finishes_meanwhile_is_relayed(
+    database, isolation: str
+):
+    """A batch queues events behind heads other transactions made (k1, k2), behind a head it makes
+    itself (k3, two events) and under a new key. Under READ COMMITTED it holds the keys it queued
+    behind others' heads, and only those, from the publish to its commit: the heads' completion
+    meanwhile cannot hand over to events it cannot see and files the keys' repairs, and every event
+    is relayed in order. Under REPEATABLE READ the check is each queued row's at commit, which finds
+    its head finished since the snapshot: the commit fails with a serialization error, to be
+    retried, and the retry is relayed in order."""
+    url = database.url
+    with psycopg.connect(url, autocommit=True) as c:
+        postbox.publish(c, destination="d", key="k1", payload="H1")
+        postbox.publish(c, destination="d", key="k2", payload="H2")
+    batch = [
+        {"destination": "d", "key": "k1", "payload": "B1"},
+        {"destination": "d", "key": "k3", "payload": "B3a"},
+        {"destination": "d", "key": "k2", "payload": "B2"},
+        {"destination": "d", "key": "k3", "payload": "B3b"},
+        {"destination": "d", "payload": "fresh"},
+    ]
+    level = psycopg.IsolationLevel.READ_COMMITTED
+    if isolation == "repeatable read":
+        level = psycopg.IsolationLevel.REPEATABLE_READ
+    with psycopg.connect(url) as producer, psycopg.connect(url, autocommit=True) as observer:
+        producer.isolation_level = level
+        postbox.publish_many(producer, batch)
+        held = _key_locks_held(observer, producer.info.backend_pid)
+        if isolation == "read committed":
+            assert held == {_hash(observer, "d/k1"), _hash(observer, "d/k2")}
+        else:
+            assert held == set()
+        with psycopg.connect(url) as relay:
+            claimed = relay.execute(
+                "SELECT id, attempt, payload FROM postbox.outbox_claim_v1('d', 'w', 10, '1 minute', now())"
+            ).fetchall()
+            assert sorted(row[2] for row in claimed) == ["H1", "H2"]
+            relay.execute(
+                "SELECT postbox.outbox_complete_v1(%s, %s, now())",
+                ([row[0] for row in claimed], [row[1] for row in claimed]),
+            )
+            relay.commit()
+        if isolation == "read committed":
+            producer.commit()
+        else:
+            with pytest.raises(psycopg.errors.SerializationFailure):
+                producer.commit()
+            postbox.publish_many(producer, batch)
+            producer.commit()
+    order = _drain(url)
+    assert sorted(order) == sorted(m["payload"] for m in batch)
+    assert [p for p in order if p.startswith("B3")] == ["B3a", "B3b"]

@@ -6,10 +6,15 @@ the whole batch, instead of one call of the single publish per event.
   tries to become its head in one statement, keys in one global order; a head just made whose key
   has earlier events queued steps back behind them and files the key's repair (looked for in a new
   statement, after any wait for another transaction's head); every other event is queued in one
-  statement.
+  statement. Under READ COMMITTED the batch then checks the keys it queued events under behind
+  another transaction's head itself, once per key (their lock, shared, to the commit, then their
+  heads looked for again), instead of a check per queued row at commit: the outbox's trigger
+  (outbox_pending_commit) skips the rows a batch checked, which it says in the transaction-local
+  setting postbox.outbox_check. Under REPEATABLE READ and SERIALIZABLE the check per row at commit
+  stays.
 
 Same ids, order, errors and guarantees. The function keeps its signature (body replaced), so
-processes of earlier releases work on it unchanged. Expand only: no table changes; grants unchanged.
+processes of earlier releases work on it unchanged. Expand only: no table changes (one trigger's condition); grants unchanged.
 
 Revision ID: 0013
 Revises: 0012
@@ -35,8 +40,14 @@ _DEFINER = (
     "ALTER FUNCTION postbox.outbox_publish_batch_v1(jsonb)"
     " SECURITY DEFINER SET search_path = pg_catalog, postbox, pg_temp"
 )
+# ...and the outbox's check at commit on every queued row, as 0001 made it.
+_TRIGGER = """DROP TRIGGER outbox_pending_commit ON postbox.outbox;
+CREATE CONSTRAINT TRIGGER outbox_pending_commit AFTER INSERT ON postbox.outbox
+    DEFERRABLE INITIALLY DEFERRED FOR EACH ROW WHEN (NEW.state = 'pending')
+    EXECUTE FUNCTION postbox.outbox_pending_commit_v1();
+"""
 
-RELEASED_SHA256 = "d1a2fa14bde8ab11360752118b2e2c22e16baec5d3303f2dabd7d700a5d2ebcd"
+RELEASED_SHA256 = "c59e72413078c691bf4b247b8a6768204b1aa7ece04c0e4eb633c01ff12f6e13"
 
 
 def statements() -> list[str]:
@@ -47,7 +58,7 @@ def statements() -> list[str]:
 def downgrade_statements() -> list[str]:
     batch = _BATCH.findall(sql_file_text(RESTORED))
     assert len(batch) == 1, "revision 0001's batch publish"
-    return [*batch, _DEFINER]
+    return [*batch, _DEFINER, _TRIGGER]
 
 
 def frozen() -> list[str]:
