@@ -6,6 +6,8 @@ while a batch waits for another transaction's head stays ahead of the batch's me
 from __future__ import annotations
 
 import threading
+import time
+from typing import Any
 
 import psycopg
 import pytest
@@ -279,3 +281,104 @@ def test_a_batch_queued_behind_another_transactions_head_that_finishes_meanwhile
     order = _drain(url)
     assert sorted(order) == sorted(m["payload"] for m in batch)
     assert [p for p in order if p.startswith("B3")] == ["B3a", "B3b"]
+
+
+PRODUCERS, BATCHES, BATCH, KEYS = 4, 25, 40, 12
+
+
+def _produce(url: str, p: int) -> int:
+    """A producer process: BATCHES batches of BATCH events over KEYS shared keys, payload (p, n), n in
+    the order published; every other batch under REPEATABLE READ, retried whole on a serialization
+    failure or deadlock. Returns the events committed."""
+    import random
+
+    rng = random.Random(p)
+    n = 0
+    with psycopg.connect(url) as c:
+        for b in range(BATCHES):
+            c.isolation_level = (
+                psycopg.IsolationLevel.REPEATABLE_READ if b % 2 else psycopg.IsolationLevel.READ_COMMITTED
+            )
+            batch = [
+                {"destination": "d", "key": f"k{rng.randrange(KEYS)}", "payload": {"p": p, "n": n + i}}
+                for i in range(BATCH)
+            ]
+            while True:
+                try:
+                    postbox.publish_many(c, batch)
+                    c.commit()
+                    break
+                except (psycopg.errors.SerializationFailure, psycopg.errors.DeadlockDetected):
+                    c.rollback()
+            n += BATCH
+    return n
+
+
+def _relay(url: str, r: int, stop: Any) -> None:
+    """A relay process: claims up to 7 rows, records each in ``relayed`` and completes them in one
+    transaction, until told to stop and the outbox is empty."""
+    with psycopg.connect(url) as c:
+        while True:
+            rows = c.execute(
+                "SELECT id, attempt, payload, key FROM postbox.outbox_claim_v1('d', %s, 7, '1 minute', now())",
+                (f"r{r}",),
+            ).fetchall()
+            if rows:
+                c.execute(
+                    "INSERT INTO relayed (p, n, key) SELECT (x->>'p')::int, (x->>'n')::int, k"
+                    " FROM unnest(%s::jsonb[], %s::text[]) AS u(x, k)",
+                    ([psycopg.types.json.Jsonb(row[2]) for row in rows], [row[3] for row in rows]),
+                )
+                c.execute(
+                    "SELECT postbox.outbox_complete_v1(%s, %s, now())",
+                    ([row[0] for row in rows], [row[1] for row in rows]),
+                )
+            c.commit()
+            if not rows:
+                if (
+                    stop.is_set()
+                    and not c.execute("SELECT EXISTS (SELECT 1 FROM postbox.outbox)").fetchone()[0]
+                ):
+                    return
+                time.sleep(0.005)
+
+
+def test_concurrent_batches_and_relays_lose_nothing_and_keep_each_producers_order_per_key(database):
+    """Producer processes publish batches over a few shared keys (under READ COMMITTED and REPEATABLE
+    READ in turn) while relay processes claim and complete heads: every event is relayed exactly
+    once, and each producer's events of a key in the order it published them."""
+    import multiprocessing
+
+    url = database.url
+    with psycopg.connect(url, autocommit=True) as c:
+        c.execute("CREATE TABLE relayed (seq bigserial PRIMARY KEY, p int, n int, key text)")
+    ctx = multiprocessing.get_context("spawn")
+    stop = ctx.Event()
+    relays = [ctx.Process(target=_relay, args=(url, r, stop)) for r in range(2)]
+    for proc in relays:
+        proc.start()
+    try:
+        with ctx.Pool(PRODUCERS) as pool:
+            produced = pool.starmap(_produce, [(url, p) for p in range(PRODUCERS)])
+        assert produced == [BATCHES * BATCH] * PRODUCERS
+        with psycopg.connect(url, autocommit=True) as c:
+            eventually(
+                lambda: c.execute("SELECT count(*) FROM relayed").fetchone()[0] >= sum(produced),
+                timeout=60,
+                what="every event relayed (a key left with queued events and no head never is)",
+            )
+    finally:
+        stop.set()
+        for proc in relays:
+            proc.join(30)
+            if proc.exitcode is None:
+                proc.terminate()
+    assert [proc.exitcode for proc in relays] == [0, 0]
+    with psycopg.connect(url) as c:
+        total, distinct = c.execute("SELECT count(*), count(DISTINCT (p, n)) FROM relayed").fetchone()
+        assert (total, distinct) == (PRODUCERS * BATCHES * BATCH,) * 2
+        reordered = c.execute(
+            "SELECT count(*) FROM (SELECT n, lag(n) OVER (PARTITION BY p, key ORDER BY seq) AS prev"
+            " FROM relayed) x WHERE n < prev"
+        ).fetchone()[0]
+        assert reordered == 0
