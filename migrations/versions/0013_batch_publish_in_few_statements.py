@@ -23,7 +23,7 @@ Create Date: 2026-12-07
 
 import re
 
-from postbox.schema.apply_sql import apply_frozen, sql_file_text
+from postbox.schema.apply_sql import frozen_revision, sql_file_text
 
 revision = "0013"
 down_revision = "0012"
@@ -61,14 +61,5 @@ def downgrade_statements() -> list[str]:
     return [*batch, _DEFINER, _TRIGGER]
 
 
-def frozen() -> list[str]:
-    """All the SQL of this revision, both ways: what RELEASED_SHA256 pins."""
-    return [*statements(), *downgrade_statements()]
-
-
-def upgrade() -> None:
-    apply_frozen(revision, RELEASED_SHA256, frozen(), run=statements())
-
-
-def downgrade() -> None:
-    apply_frozen(revision, RELEASED_SHA256, frozen(), run=downgrade_statements())
+# All the SQL of this revision, both ways (frozen(): what RELEASED_SHA256 pins), and how Alembic runs it.
+frozen, upgrade, downgrade = frozen_revision(revision, RELEASED_SHA256, statements, downgrade_statements)

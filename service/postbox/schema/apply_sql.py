@@ -12,7 +12,7 @@ changes, so workers of the previous release keep calling ``_v1`` during a rollin
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from alembic import context, op
@@ -24,6 +24,7 @@ __all__ = [
     "FrozenRevisionChanged",
     "apply_frozen",
     "digest",
+    "frozen_revision",
     "run_sql",
     "run_sql_file",
     "run_sql_template",
@@ -91,3 +92,25 @@ def apply_frozen(revision: str, released_sha256: str, frozen: list[str], run: li
         )
     for part in run:
         run_sql(part)
+
+
+def frozen_revision(
+    revision: str,
+    released_sha256: str,
+    statements: Callable[[], list[str]],
+    downgrade_statements: Callable[[], list[str]],
+) -> tuple[Callable[[], list[str]], Callable[[], None], Callable[[], None]]:
+    """A revision made only of SQL texts, both ways: its ``frozen()`` (all of them, what
+    ``released_sha256`` pins), ``upgrade()`` and ``downgrade()``, for the revision's module to
+    name as Alembic and the pin tests look for them."""
+
+    def frozen() -> list[str]:
+        return [*statements(), *downgrade_statements()]
+
+    def upgrade() -> None:
+        apply_frozen(revision, released_sha256, frozen(), run=statements())
+
+    def downgrade() -> None:
+        apply_frozen(revision, released_sha256, frozen(), run=downgrade_statements())
+
+    return frozen, upgrade, downgrade
