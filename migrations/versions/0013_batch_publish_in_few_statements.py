@@ -3,7 +3,9 @@ the whole batch, instead of one call of the single publish per event.
 
 * outbox_publish_batch_v1: the checks find, in one pass, the events that may be wrong and check only
   those one by one (same errors); ids are taken in the batch's order; the first event of each key
-  tries to become its head in one statement, keys in one global order; a head just made whose key
+  looks for its key's head (one index probe, none for an event without message_id and key, whose
+  key is a new UUID) and, if there is none, tries to become it, in one statement, keys in one
+  global order; a head just made whose key
   has earlier events queued steps back behind them and files the key's repair (looked for in a new
   statement, after any wait for another transaction's head); every other event is queued in one
   statement. Under READ COMMITTED the batch then checks the keys it queued events under behind
@@ -14,7 +16,8 @@ the whole batch, instead of one call of the single publish per event.
   stays.
 
 Same ids, order, errors and guarantees. The function keeps its signature (body replaced), so
-processes of earlier releases work on it unchanged. Expand only: no table changes (one trigger's condition); grants unchanged.
+processes of earlier releases work on it unchanged. Expand only: no table changes (one trigger's
+condition); grants unchanged.
 
 Revision ID: 0013
 Revises: 0012
