@@ -104,6 +104,15 @@ def test_two_relay_processes_never_reorder_a_key(database, tmp_path):
     procs = [spawn_postbox(*relay_args, stderr=subprocess.PIPE) for _ in range(2)]
     rows = [(f"e{i}", f"k{random.Random(i).randrange(15)}") for i in range(600)]
     try:
+        # Both relays running before the rows come (a slow start could miss them all, and a stop
+        # signal before a process has started is not a clean stop).
+        pids = {p.pid for p in procs}
+
+        def registered() -> bool:
+            with psycopg.connect(url) as c:
+                return {r[0] for r in c.execute("SELECT pid FROM postbox.workers").fetchall()} >= pids
+
+        eventually(registered, timeout=60, what="both relay processes registered")
         writers = [threading.Thread(target=publish, args=(url, rows[j::3], 5)) for j in range(3)]
         for t in writers:
             t.start()
