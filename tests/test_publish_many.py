@@ -214,8 +214,8 @@ def test_a_batch_makes_its_keys_heads_and_queues_the_rest_as_single_publishes_wo
     assert results[0] == results[1]
 
 
-def _key_locks_held(observer: psycopg.Connection, pid: int) -> set[str]:
-    """The outbox key locks (shared) ``pid`` holds, as 'destination/key' of the keys given."""
+def _key_locks_held(observer: psycopg.Connection, pid: int) -> set[int]:
+    """The outbox key locks (shared) ``pid`` holds, as the hashtext('destination/key') of each key."""
     rows = observer.execute(
         "SELECT l.objid::int FROM pg_locks l WHERE l.pid = %s AND l.locktype = 'advisory'"
         " AND l.classid::bigint = %s AND l.mode = 'ShareLock' AND l.granted",
@@ -288,8 +288,8 @@ PRODUCERS, BATCHES, BATCH, KEYS = 4, 25, 40, 12
 
 def _produce(url: str, p: int) -> int:
     """A producer process: BATCHES batches of BATCH events over KEYS shared keys, payload (p, n), n in
-    the order published; every other batch under REPEATABLE READ, retried whole on a serialization
-    failure or deadlock. Returns the events committed."""
+    the order published; every other batch under REPEATABLE READ, retried whole (for up to a minute) on a
+    serialization failure or deadlock. Returns the events committed."""
     import random
 
     rng = random.Random(p)
@@ -303,6 +303,7 @@ def _produce(url: str, p: int) -> int:
                 {"destination": "d", "key": f"k{rng.randrange(KEYS)}", "payload": {"p": p, "n": n + i}}
                 for i in range(BATCH)
             ]
+            deadline = time.monotonic() + 60
             while True:
                 try:
                     postbox.publish_many(c, batch)
@@ -310,6 +311,8 @@ def _produce(url: str, p: int) -> int:
                     break
                 except (psycopg.errors.SerializationFailure, psycopg.errors.DeadlockDetected):
                     c.rollback()
+                    if time.monotonic() > deadline:
+                        raise
             n += BATCH
     return n
 

@@ -5,10 +5,9 @@ the whole batch, instead of one call of the single publish per event.
   those one by one (same errors); ids are taken in the batch's order; the first event of each key
   looks for its key's head (one index probe, none for an event without message_id and key, whose
   key is a new UUID) and, if there is none, tries to become it, in one statement, keys in one
-  global order; a head just made whose key
-  has earlier events queued steps back behind them and files the key's repair (looked for in a new
-  statement, after any wait for another transaction's head); every other event is queued in one
-  statement. Under READ COMMITTED the batch then checks the keys it queued events under behind
+  global order; a head just made whose key has earlier events queued steps back behind them and
+  files the key's repair (looked for in a new statement, after any wait for another transaction's
+  head); every other event is queued in one statement. Under READ COMMITTED the batch then checks the keys it queued events under behind
   another transaction's head itself, once per key (their lock, shared, to the commit, then their
   heads looked for again), instead of a check per queued row at commit: the outbox's trigger
   (outbox_pending_commit) skips the rows a batch checked, which it says in the transaction-local
@@ -50,7 +49,7 @@ CREATE CONSTRAINT TRIGGER outbox_pending_commit AFTER INSERT ON postbox.outbox
     EXECUTE FUNCTION postbox.outbox_pending_commit_v1();
 """
 
-RELEASED_SHA256 = "c59e72413078c691bf4b247b8a6768204b1aa7ece04c0e4eb633c01ff12f6e13"
+RELEASED_SHA256 = "780d69928271b3b0bb63b859152330b8e7e798ed3e41bc53e7ba33fce4e64bb3"
 
 
 def statements() -> list[str]:
