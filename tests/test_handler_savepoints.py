@@ -172,6 +172,7 @@ def test_a_failing_statement_undoes_only_its_own_handler(url):
     assert effects(url) == {"a": [1], "f": [2], "b": [1], "l": [2], "c": [1]}
 
 
+@pytest.mark.parametrize("database_only", [False, True], ids=["own_savepoints", "shared_savepoint"])
 @pytest.mark.parametrize(
     "how",
     [
@@ -190,13 +191,13 @@ def test_a_failing_statement_undoes_only_its_own_handler(url):
         "sqlalchemy",
     ],
 )
-def test_any_first_operation_runs_in_the_messages_savepoint(url, how):
+def test_any_first_operation_runs_in_the_messages_savepoint(url, how, database_only):
     """Whatever a handler does first on the connection (a plain execute, executemany, a nested
     transaction, COPY, a server-side cursor, a pipeline, an SQLAlchemy session): a failure after it
     undoes exactly that handler's effects."""
     reg = Registry()
 
-    @reg.handler("c")
+    @reg.handler("c", database_only=database_only)
     def handle(m, ctx):
         _first_operation(how, ctx.conn, ctx, m)
         if m.payload.get("fail") and m.attempt == 1:
@@ -207,15 +208,19 @@ def test_any_first_operation_runs_in_the_messages_savepoint(url, how):
     assert effects(url) == {"a": [1], "bad": [2], "b": [1], "bad2": [2]}
 
 
+@pytest.mark.parametrize("database_only", [False, True], ids=["own_savepoints", "shared_savepoint"])
 @pytest.mark.parametrize("then", ["sql", "no_sql", "end"])
-def test_a_commit_with_sql_is_found_by_the_next_statement_or_at_the_end_of_the_batch(url, then):
+def test_a_commit_with_sql_is_found_by_the_next_statement_or_at_the_end_of_the_batch(
+    url, then, database_only
+):
     """A handler that runs COMMIT then a statement (which begins another transaction), followed by a
     handler with SQL, one without, or nothing: the culprit is dead-lettered, what it committed is
-    never run again, and every message after it runs once."""
+    never run again, and every message after it runs once. The same when the handlers are declared
+    database-only (no savepoint command between them to find the transaction gone)."""
     calls: Counter[str] = Counter()
     reg = Registry()
 
-    @reg.handler("c")
+    @reg.handler("c", database_only=database_only)
     def handle(m, ctx):
         calls[m.message_id] += 1
         if m.payload.get("sql", True):
@@ -234,3 +239,80 @@ def test_a_commit_with_sql_is_found_by_the_next_statement_or_at_the_end_of_the_b
         assert got["c"] == [1]
     assert calls["a"] == 1 and calls["bad"] == 1
     assert calls["n"] == (0 if then == "sql" else 1)
+
+
+@pytest.mark.parametrize("kind", ["sync", "async"])
+def test_database_only_handlers_share_a_savepoint_and_a_failure_runs_the_ones_before_it_again(url, kind):
+    """Handlers declared database-only share one savepoint per batch: a failure undoes the effects
+    of the messages before it with its own, and they run again, each in its own savepoint, as does
+    every message after it. Each effect still commits exactly once."""
+    calls: Counter[str] = Counter()
+    reg = Registry()
+
+    if kind == "sync":
+
+        @reg.handler("c", database_only=True)
+        def handle(m, ctx):
+            calls[m.message_id] += 1
+            _effect(ctx.conn, m)
+            if m.payload.get("fail") and m.attempt == 1:
+                raise Retry(0, "after the effect")
+
+    else:
+
+        @reg.handler("c", database_only=True)
+        async def handle(m, ctx):
+            calls[m.message_id] += 1
+            await ctx.conn.execute(
+                "INSERT INTO effects (message_id, key, sequence, attempt) VALUES (%s, %s, %s, %s)",
+                (m.message_id, m.key, m.sequence, m.attempt),
+            )
+            if m.payload.get("fail") and m.attempt == 1:
+                raise Retry(0, "after the effect")
+
+    produce(
+        url, ("a", {}), ("b", {}), ("bad", {"fail": True}), ("c", {}), ("bad2", {"fail": True}), ("d", {})
+    )
+    run(url, reg)
+    assert effects(url) == {"a": [1], "b": [1], "bad": [2], "c": [1], "bad2": [2], "d": [1]}
+    # a and b ran, were undone with bad's failure and ran again; after it, one savepoint each.
+    assert calls == {"a": 2, "b": 2, "bad": 2, "c": 1, "bad2": 2, "d": 1}
+
+
+def test_a_handler_not_declared_database_only_keeps_its_own_savepoint_between_shared_ones(url):
+    """Only neighbours share a savepoint: a message whose handler is not declared database-only
+    runs in its own, and its failure never runs the database-only messages before it again."""
+    calls: Counter[str] = Counter()
+    reg = Registry()
+
+    def handle(m, ctx):
+        calls[m.message_id] += 1
+        _effect(ctx.conn, m)
+        if m.payload.get("fail") and m.attempt == 1:
+            raise Retry(0, "after the effect")
+
+    reg.add(handle, "c", "db", database_only=True)
+    reg.add(handle, "c", "ext")
+    with psycopg.connect(url) as c:
+        postbox.receive_many(
+            c,
+            [
+                {"consumer": "c", "message_id": mid, "key": mid, "type": t, "payload": p}
+                for mid, t, p in [
+                    ("a", "db", {}),
+                    ("b", "db", {}),
+                    ("x", "ext", {"fail": True}),
+                    ("c", "db", {}),
+                ]
+            ],
+        )
+        c.commit()
+    run(url, reg)
+    assert effects(url) == {"a": [1], "b": [1], "x": [2], "c": [1]}
+    assert calls == {"a": 1, "b": 1, "x": 2, "c": 1}
+
+
+def test_database_only_is_refused_for_a_batch_handler():
+    reg = Registry()
+    with pytest.raises(ValueError, match="database_only is for handlers of one message"):
+        reg.add(lambda ms, ctx: None, "c", batch=True, database_only=True)

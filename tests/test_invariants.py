@@ -14,6 +14,7 @@ from tests.helpers import EFFECTS_DDL, scalar
 
 APP = "tests.apps.checker:registry"
 BATCH_APP = "tests.apps.checker:batch_registry"  # the same handler as a batch handler
+SHARED_APP = "tests.apps.checker:shared_registry"  # the same handler, declared database-only
 
 
 @pytest.fixture
@@ -69,7 +70,9 @@ def _scenario(
     return report, pool
 
 
-@pytest.mark.parametrize("app", [APP, BATCH_APP], ids=["handler", "batch_handler"])
+@pytest.mark.parametrize(
+    "app", [APP, SHARED_APP, BATCH_APP], ids=["handler", "database_only", "batch_handler"]
+)
 def test_invariants_with_random_failures(chk_db, app):
     """3 processes x 4 slots, 200 skewed keys, 10% transient failures: every message's effect exactly once, in order."""
     report, _ = _scenario(chk_db.url, count=2000, keys=200, env={"CHECKER_FAIL_RATE": "0.1"}, app=app)
@@ -78,7 +81,9 @@ def test_invariants_with_random_failures(chk_db, app):
     assert scalar(chk_db.url, "SELECT count(*) FROM effects e WHERE attempt > 1") > 0  # retries happened
 
 
-@pytest.mark.parametrize("app", [APP, BATCH_APP], ids=["handler", "batch_handler"])
+@pytest.mark.parametrize(
+    "app", [APP, SHARED_APP, BATCH_APP], ids=["handler", "database_only", "batch_handler"]
+)
 def test_invariants_with_kill_9_at_every_point(chk_db, app):
     """Workers SIGKILLed from outside at random and by themselves before the effect, after the effect
     before commit, and after commit; restarted each time. Invariants still hold."""
@@ -178,7 +183,9 @@ def test_the_checker_catches_loss_duplicates_and_reordering(chk_db):
         report.assert_ok()
 
 
-@pytest.mark.parametrize("app", [APP, BATCH_APP], ids=["handler", "batch_handler"])
+@pytest.mark.parametrize(
+    "app", [APP, SHARED_APP, BATCH_APP], ids=["handler", "database_only", "batch_handler"]
+)
 def test_invariants_with_transient_and_permanent_failures(chk_db, app):
     """A mix of transient (10%) and permanent (3%) failures under concurrency: every message done or
     dead-lettered, none twice, no duplicate effect, order kept (skipping only the dead letters)."""

@@ -320,3 +320,23 @@ def test_a_batch_function_handles_a_claim_in_one_call_and_only_a_failing_message
     # The first claim's call failed (its row rolled back) and its 9 good messages ran alone; the
     # other two claims were one call each.
     assert sorted(sizes) == [1] * 9 + [10, 10]
+
+
+def test_a_function_handler_is_database_only_unless_the_file_says_not():
+    """A per-message function shares its neighbours' savepoint by default; ``database_only = false``
+    (a function that reaches outside the database) gives each message its own."""
+    doc = {
+        "consumers": {
+            "fn": {
+                "handlers": {
+                    "a": {"kind": "sql", "function": "public.outcomes"},
+                    "b": {"kind": "sql", "function": "public.outcomes", "database_only": False},
+                    "c": {"kind": "sql", "function": "public.batch_outcomes", "batch": True},
+                }
+            }
+        }
+    }
+    handlers = configured_handlers(Registry(), load_policies(doc), "fn").handlers
+    assert handlers[("fn", "a")].database_only is True
+    assert handlers[("fn", "b")].database_only is False
+    assert handlers[("fn", "c")].batch and not handlers[("fn", "c")].database_only

@@ -13,11 +13,14 @@ variables so that every process of a run misbehaves the same way:
 ``batch_registry`` is the same handler as a batch handler: the faults of each message of a call
 are rolled for that message, so a failing message fails the whole call (which is then run again
 one message at a time) and a dying one kills the process in the middle of a call.
+``shared_registry`` is the same handler declared database-only: consecutive messages of a batch
+share one savepoint, so a failing message undoes its neighbours' effects, which run again.
 """
 
 from __future__ import annotations
 
 import hashlib
+import inspect
 import os
 import signal
 from typing import TYPE_CHECKING, Any
@@ -88,6 +91,12 @@ def handle_batch(messages: list[Message], ctx: BatchContext) -> None:
     for message in messages:
         handle(message, ctx)
 
+
+# The same handler declared database-only (it is): the messages of a batch share a savepoint.
+shared_registry = Registry()
+if "database_only" in inspect.signature(Registry.handler).parameters:  # releases before it lack it
+    shared_registry.handler("chk", retry=POLICY, on_dead_letter="skip", database_only=True)(handle)
+    shared_registry.listeners.append(_after_commit)
 
 batch_registry = Registry()
 if hasattr(batch_registry, "batch_handler"):  # releases before batch handlers run only `registry`

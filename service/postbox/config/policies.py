@@ -223,6 +223,7 @@ def configured_handlers(registry: Registry, config: PoliciesConfig, consumer: st
                 message_type,
                 idempotent=h.idempotent,
                 timeout=h.timeout,
+                database_only=h.database_only,
             )
         else:
             secret = _secret(h.hmac_secret_env, where)

@@ -57,6 +57,12 @@ class SqlHandlerConfig(BaseModel):
         description="call the function once for the messages of a claimed batch, as "
         "function(messages jsonb, contexts jsonb) with one array element per message",
     )
+    database_only: bool = Field(
+        default=True,
+        description="the function's effects are all in the database, so the messages of a batch it "
+        "takes one after the other may share one savepoint; false for a function that reaches outside "
+        "it (dblink, an HTTP extension)",
+    )
 
 
 class HttpHandlerConfig(BaseModel):

@@ -9,7 +9,10 @@ other messages of the batch are untouched. Once a handler has run past its time 
 abandoned, every operation on the connection is refused (its transaction is gone).
 
 Ending the transaction with SQL (``ctx.conn.execute("COMMIT")``) cannot be refused beforehand;
-the worker detects it right after the handler returns (see ``postbox.inbox.worker``).
+it is noted as it happens: a statement that finds the worker's transaction gone (the server
+session idle) is the handler's, since the worker's transaction is open whenever a handler runs.
+The worker then settles the handler as one that ended the transaction, even if that statement
+began another (see ``postbox.inbox.worker``).
 
 An ``async def`` handler gets :class:`AsyncHandlerConnection`, a ``psycopg.AsyncConnection`` over
 the same server session (the same libpq connection) as the slot's: the same transaction and
@@ -29,6 +32,7 @@ from postbox.failures.outcomes import Permanent
 __all__ = ["AsyncHandlerConnection", "HandlerConnection", "HandlerEndedTransaction"]
 
 RV = TypeVar("RV")
+_IDLE = psycopg.pq.TransactionStatus.IDLE
 
 
 class HandlerEndedTransaction(Permanent):
@@ -46,12 +50,21 @@ class _Guard:
     _postbox_guarded: bool = False
     _postbox_misuse: str | None = None
     _postbox_fence: str | None = None
+    _postbox_ended: bool = False
+    pgconn: psycopg.pq.abc.PGconn
 
     def guard(self, on: bool) -> None:
         """Refuse (on) or allow (off) the calls that end or change the transaction."""
         self._postbox_guarded = on
         if on:
             self._postbox_misuse = None
+            self._postbox_ended = False
+
+    @property
+    def ended(self) -> bool:
+        """Whether the running handler sent a statement after the worker's transaction had ended
+        (its own ``COMMIT`` or ``ROLLBACK`` as SQL): that statement ran outside it."""
+        return self._postbox_ended
 
     @property
     def misuse(self) -> str | None:
@@ -79,6 +92,11 @@ class _Guard:
             if isinstance(gen, Generator):
                 gen.close()
             raise psycopg.OperationalError(self._postbox_fence)
+        if self._postbox_guarded and self.pgconn.transaction_status == _IDLE:
+            # The worker's transaction is open whenever a handler runs: the session is idle only
+            # if the handler ended it, and what it sends now (psycopg begins another transaction
+            # first) runs outside it.
+            self._postbox_ended = True
 
 
 class HandlerConnection(_Guard, psycopg.Connection[Any]):

@@ -201,7 +201,12 @@ class Executor(SlotBase):
         if conn.closed or conn.broken:
             raise psycopg.OperationalError("connection lost during the handler") from error
         status = conn.info.transaction_status
-        if status is psycopg.pq.TransactionStatus.IDLE:
+        if (
+            status is psycopg.pq.TransactionStatus.IDLE
+            or conn.ended
+            or (self.aconn is not None and self.aconn.ended)
+        ):
+            # It ended the transaction with SQL (and may have begun another since).
             raise TransactionEnded(message)
         if error is None and status is psycopg.pq.TransactionStatus.INERROR:
             return HandlerLeftTransactionInError(

@@ -96,9 +96,68 @@ class Slot(ClaimLoop, Executor, Completer):
                     batch.position = i
                     self._run_group(batch, spec, group)
                     continue
+            if spec is not None and spec.database_only and batch.optimistic:
+                run = self._database_only_run(batch, i, taken)
+                if len(run) > 1:
+                    taken.update(m.id for m in run)
+                    self._run_shared(batch, i, run)
+                    continue
             self._open_savepoint(batch)
             batch.position = i
             self._run_one(batch, message)
+
+    def _database_only_run(self, batch: Batch, i: int, taken: set[int]) -> list[Message]:
+        """The messages from position ``i`` on, one after the other, whose handlers are declared
+        database-only (not batch handlers; supported, not past their attempts): they may share a
+        savepoint. Only neighbours, so that what follows the one running is what has not run."""
+        lookup = self.worker.registry.lookup
+        run: list[Message] = []
+        for m in batch.messages[i:]:
+            spec = lookup(m.consumer, m.type)
+            if (
+                m.id in taken
+                or spec is None
+                or spec.batch
+                or not spec.database_only
+                or not _supports(spec, m)
+                or m.attempt > self._policy(m).max_attempts
+            ):
+                break
+            run.append(m)
+        return run
+
+    def _run_shared(self, batch: Batch, i: int, run: list[Message]) -> None:
+        """Messages at positions ``i``... whose handlers are database-only, under one savepoint:
+        a round trip less for each. A failure rolls back to that savepoint, undoing the effects of
+        those before it with its own; they run again, each in its own savepoint, as does everything
+        after it in the batch (nothing they did left the database, so nobody else sees it)."""
+        self._open_savepoint(batch)
+        for k, message in enumerate(run):
+            if self.worker._aborting.is_set() or self.worker.breaker.state is not BreakerState.CLOSED:
+                batch.unrun.extend(run[k:])  # given back untouched, as in _run_batch
+                return
+            batch.position = i + k
+            if self._run_one(batch, message):
+                continue
+            undone = {id(m) for m in run[:k]}
+            batch.done = [m for m in batch.done if id(m) not in undone]
+            batch.optimistic = False
+            if k:
+                log.info(
+                    "slot %s: a database-only handler failed; the %s before it in its savepoint run again",
+                    self.index,
+                    k,
+                    extra={"event": "shared_savepoint_split", "consumer": message.consumer, "messages": k},
+                )
+            rest = [*run[:k], *run[k + 1 :]]
+            for j, m in enumerate(rest):
+                if self.worker._aborting.is_set() or self.worker.breaker.state is not BreakerState.CLOSED:
+                    batch.unrun.extend(rest[j:])
+                    return
+                self._open_savepoint(batch)
+                batch.position = i + run.index(m)
+                self._run_one(batch, m)
+            return
 
     def _group_after(self, batch: Batch, i: int, spec: HandlerSpec, taken: set[int]) -> list[Message]:
         """The messages after position ``i`` that ``spec`` (a batch handler) runs with it: those it
@@ -164,8 +223,9 @@ class Slot(ClaimLoop, Executor, Completer):
             self._open_savepoint(batch)
             self._run_one(batch, m)
 
-    def _run_one(self, batch: Batch, message: Message) -> None:
-        """One message in its savepoint: run its handler, keep or undo its effects."""
+    def _run_one(self, batch: Batch, message: Message) -> bool:
+        """One message in its savepoint: run its handler, keep or undo its effects (back to the
+        savepoint: those of any message that shares it too). True if it succeeded."""
         assert self.conn is not None
         batch.in_flight = message
         with tracing.processing(message) as span:
@@ -182,12 +242,13 @@ class Slot(ClaimLoop, Executor, Completer):
                 batch.done.append(message)
                 self._breaker_record(False, message.key)
                 tracing.decided(span, "done")
-                return
+                return True
             savepoints.roll_back(self.conn, message)
             failure = self._failure(message, error, duration_ms)
             tracing.decided(span, failure.decision.kind, error, failure.classification.error_type)
         self._breaker_record(failure.classification.kind is FailureKind.TRANSIENT, message.key)
         batch.failures.append(failure)
+        return False
 
     def abandon(self, shutdown: WorkerShutdown | None, *, died: bool = False) -> Inheritance | None:
         """Mark this slot abandoned (its thread may go on in handler code, but will never touch the
