@@ -43,6 +43,7 @@ INSERT_UPDATE = "pgbench INSERT+UPDATE, -c 4 -j 2"
 DRAIN = "ordered drain, 500 keys, 2 proc x 2 slots"
 DRAIN_RSS = "worker peak RSS during drain"
 DRAIN_BATCH_RSS = "worker peak RSS during drain with a batch handler"
+DRAIN_EACH = "ordered drain, a savepoint per message (the handler not declared database_only), 500 keys, 2 proc x 2 slots"
 DRAIN_SQL = "drain in SQL only (claim + effects + complete per 50), pgbench -c 4"
 SUSTAINED_WORKER_BATCH = 25  # the sustained load's workers' batch (tests/bench/load.py)
 DRAIN_SUSTAINED_BATCH = f"ordered drain, 500 keys, 2 proc x 2 slots, batch {SUSTAINED_WORKER_BATCH}"
@@ -183,6 +184,12 @@ CHECKS: tuple[Check, ...] = (
         "ordered drain / drain in SQL only (the same work without a client)", DRAIN, DRAIN_SQL, (">=", 0.8)
     ),
     Check(
+        "ordered drain / the same handler not declared database_only (a savepoint per message)",
+        DRAIN,
+        DRAIN_EACH,
+        detail=True,
+    ),
+    Check(
         "ordered drain with a batch handler / drain in SQL only (both one statement per batch)",
         DRAIN_BATCH,
         DRAIN_SQL,
@@ -201,8 +208,8 @@ CHECKS: tuple[Check, ...] = (
         detail=True,
     ),
     Check(
-        "ordered drain / pgbench empty round trips, -c 4 (a message takes two: its savepoint, its handler's"
-        " statement)",
+        "ordered drain / pgbench empty round trips, -c 4 (a message takes one, its handler's statement; its"
+        " neighbours share a savepoint)",
         DRAIN,
         ROUND_TRIPS,
         detail=True,

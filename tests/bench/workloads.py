@@ -201,8 +201,9 @@ class Bench(Harness):
         self, n: int, keys: int, processes: int, concurrency: int, batch: int, app: str = "registry"
     ) -> tuple[float, float]:
         """Ordered drain: msgs/s, and peak worker RSS in MB. Verifies order and exactly-once after.
-        ``app`` names the handlers in tests/bench/app.py: ``registry`` (a handler per message) or
-        ``batch_registry`` (a batch handler: one statement per call); or ``sql_batch``, a
+        ``app`` names the handlers in tests/bench/app.py: ``registry`` (a handler per message,
+        declared database-only), ``each_registry`` (the same without the declaration: a savepoint
+        per message) or ``batch_registry`` (a batch handler: one statement per call); or ``sql_batch``, a
         SQL-function batch handler declared in the configuration (scripts.SQL_BATCH_HANDLER)."""
         url = self.fresh()
         self._preload(url, n, keys)
