@@ -1,7 +1,7 @@
 """Every message's handler runs in a savepoint of the batch's transaction, whatever it does first on
 the connection (or if it runs no SQL at all): its effects commit exactly once, a failure undoes only
-its own, and a handler that ends the transaction with SQL is found, by the next savepoint or at the
-end of the batch, and settled by what happened."""
+its own, and a handler that ends the transaction with SQL is found, at its next statement or when
+it returns, and settled by what happened."""
 
 from __future__ import annotations
 

@@ -29,9 +29,6 @@ BEGIN; SAVEPOINT postbox_m; SELECT pg_current_xact_id();
 -- name: worker_savepoint_rollback
 ROLLBACK TO SAVEPOINT postbox_m;
 
--- name: worker_savepoint_release
-RELEASE SAVEPOINT postbox_m;
-
 -- name: worker_savepoint_next
 RELEASE SAVEPOINT postbox_m; SAVEPOINT postbox_m;
 

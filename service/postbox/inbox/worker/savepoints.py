@@ -19,7 +19,7 @@ from postbox.inbox.handlers import Message
 from postbox.inbox.worker.batch import Batch
 from postbox.inbox.worker.settings import TransactionEnded
 
-__all__ = ["begin", "next_savepoint", "release", "roll_back"]
+__all__ = ["begin", "next_savepoint", "roll_back"]
 
 # SQLSTATEs of a savepoint command that finds the batch's transaction gone: the handler ended it.
 _ENDED = {"3B001", "25P01"}
@@ -46,12 +46,6 @@ def next_savepoint(conn: psycopg.Connection[Any], batch: Batch) -> None:
 def roll_back(conn: psycopg.Connection[Any], culprit: Message) -> None:
     """Undo the failed handler's effects (back to its savepoint)."""
     _command(conn, "worker_savepoint_rollback", culprit)
-
-
-def release(conn: psycopg.Connection[Any], culprit: Message) -> None:
-    """Keep the last handler's effects in the batch's transaction. A savepoint found gone means
-    the handler ended the transaction, even if a statement of its own then began another."""
-    _command(conn, "worker_savepoint_release", culprit)
 
 
 def _command(conn: psycopg.Connection[Any], name: str, culprit: Message) -> None:

@@ -46,10 +46,8 @@ class Slot(ClaimLoop, Executor, Completer):
         self._durations = {}
         try:
             self._run_batch(batch)
-            if batch.done and batch.last_run is batch.done[-1]:
-                # Also tells whether the last handler ended the transaction (and a later statement
-                # of its own began another): the savepoint is then gone.
-                savepoints.release(self.conn, batch.last_run)
+            # The last savepoint is released by the commit: a handler that ended the transaction
+            # was found when it returned, or at its next statement if it began another.
             self._finish(batch.done, batch.failures, batch.unrun)
         except TransactionEnded as ended:
             self._settle_ended(batch, ended.culprit)
