@@ -189,6 +189,7 @@ def test_the_weight_of_a_large_backlog_and_ledger_and_the_sustained_load_are_che
             Result(report.DRAIN, "msg/s", [3000.0, 3200.0, 2800.0]),
             Result(report.CLAIM_10K, "ms", [2.0, 2.2, 2.1]),
             Result(report.CLAIM_10M, "ms", [3.0]),
+            Result(report.CLAIM_10K_BESIDE, "ms", [2.1]),
             Result(report.LEDGER_EMPTY, "ms", [1.0]),
             Result(report.LEDGER_BIG, "ms", [1.3]),
             Result(report.SUSTAINED, "msg/s", [2700.0]),
@@ -197,7 +198,8 @@ def test_the_weight_of_a_large_backlog_and_ledger_and_the_sustained_load_are_che
         )
     }
     page = report.results_page(small_run(results=results))
-    assert table_row(page, "claim cost with the 10M backlog / with 10k")[1:] == ["1.43", "", "≤ 1.5", "yes"]
+    label = "claim cost with the 10M backlog / with 10k (taking turns with it)"
+    assert table_row(page, label)[1:] == ["1.43", "", "≤ 1.5", "yes"]
     # time per receive: above 1.2 means more than 20 % slower with the big ledger
     label = "receive with the 50M-row ledger / with an empty ledger (time per receive)"
     assert table_row(page, label)[1:] == ["1.30", "", "≤ 1.2", "**no**"]

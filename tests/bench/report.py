@@ -57,6 +57,7 @@ TOPOLOGY_RATE = 100  # A's messages a second in the A→C latency workload
 CLAIM_10K = "claim+complete, 10k ready"
 CLAIM_1M = "claim+complete, 1M backlog (hot key 500k, 1k blocked)"
 CLAIM_10M = "claim+complete, 10M backlog (100k keys, hot key 1M, 10k blocked)"
+CLAIM_10K_BESIDE = "claim+complete, 10k ready, taking turns with the 10M backlog's"
 BACKLOG_BUILD = "building the 10M backlog (INSERT ... SELECT, VACUUM ANALYZE)"
 LEDGER_EMPTY = "receive, empty deduplication ledger, time per receive"
 LEDGER_BIG = "receive, 50M-row deduplication ledger, time per receive"
@@ -255,7 +256,12 @@ CHECKS: tuple[Check, ...] = (
         ("<=", 1.0),
     ),
     Check("claim cost with the 1M backlog / with 10k", CLAIM_1M, CLAIM_10K, ("<=", 1.5)),
-    Check("claim cost with the 10M backlog / with 10k", CLAIM_10M, CLAIM_10K, ("<=", 1.5)),
+    Check(
+        "claim cost with the 10M backlog / with 10k (taking turns with it)",
+        CLAIM_10M,
+        CLAIM_10K_BESIDE,
+        ("<=", 1.5),
+    ),
     Check(
         "receive with the 50M-row ledger / with an empty ledger (time per receive)",
         LEDGER_BIG,

@@ -20,7 +20,7 @@ from typing import Any
 import psycopg
 
 import postbox
-from tests.bench.backlog import claim_complete_ms
+from tests.bench.backlog import READY_10K, claim_complete_ms
 from tests.bench.harness import Harness, rss_mb, wait
 from tests.bench.scripts import DRAIN_SQL_FUNCTION, SQL_BATCH_CONFIG, SQL_BATCH_HANDLER
 from tests.helpers import spawn_postbox
@@ -369,8 +369,7 @@ class Bench(Harness):
         url = self.fresh()
         with psycopg.connect(url) as c:
             if backlog == "10k":
-                c.execute("""INSERT INTO postbox.inbox (consumer, message_id, key, position, payload, state)
-                             SELECT 'bench', 'm' || g, 'k' || g, g, '{}', 'ready' FROM generate_series(1, 10000) g""")
+                c.execute(READY_10K)
             else:
                 c.execute("""
                     INSERT INTO postbox.inbox (consumer, message_id, key, position, payload, state)
