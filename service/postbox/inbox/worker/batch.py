@@ -64,7 +64,6 @@ class Batch:
     position: int = 0  # index of the message being (or last) run
     xid: str | None = None  # the batch transaction's id, assigned as it begins
     savepoint: bool = False  # the batch's transaction and first savepoint are open
-    optimistic: bool = True  # database-only handlers may share a savepoint (until one fails)
     # Message id -> the messages of the batch handler's call it ran in, while that call's effects
     # stand (a handler that ends the transaction may have committed them all).
     calls: dict[int, list[Message]] = field(default_factory=dict)

@@ -94,11 +94,11 @@ class Slot(ClaimLoop, Executor, Completer):
                     batch.position = i
                     self._run_group(batch, spec, group)
                     continue
-            if spec is not None and spec.database_only and batch.optimistic:
+            if spec is not None and spec.database_only and not batch.failures:
                 run = self._database_only_run(batch, i, taken)
                 if len(run) > 1:
                     taken.update(m.id for m in run)
-                    self._run_shared(batch, i, run)
+                    self._run_shared(batch, run)
                     continue
             self._open_savepoint(batch)
             batch.position = i
@@ -106,40 +106,31 @@ class Slot(ClaimLoop, Executor, Completer):
 
     def _database_only_run(self, batch: Batch, i: int, taken: set[int]) -> list[Message]:
         """The messages from position ``i`` on, one after the other, whose handlers are declared
-        database-only (not batch handlers; supported, not past their attempts): they may share a
-        savepoint. Only neighbours, so that what follows the one running is what has not run."""
+        database-only (not batch handlers): they may share a savepoint. Only neighbours, so that
+        what follows the one running is what has not run."""
         lookup = self.worker.registry.lookup
         run: list[Message] = []
         for m in batch.messages[i:]:
             spec = lookup(m.consumer, m.type)
-            if (
-                m.id in taken
-                or spec is None
-                or spec.batch
-                or not spec.database_only
-                or not _supports(spec, m)
-                or m.attempt > self._policy(m).max_attempts
-            ):
+            if spec is None or spec.batch or not spec.database_only or not self._runs_with(spec, m, taken):
                 break
             run.append(m)
         return run
 
-    def _run_shared(self, batch: Batch, i: int, run: list[Message]) -> None:
-        """Messages at positions ``i``... whose handlers are database-only, under one savepoint:
-        a round trip less for each. A failure rolls back to that savepoint, undoing the effects of
-        those before it with its own; they run again, each in its own savepoint, as does everything
-        after it in the batch (nothing they did left the database, so nobody else sees it)."""
+    def _run_shared(self, batch: Batch, run: list[Message]) -> None:
+        """Neighbours whose handlers are database-only, under one savepoint: a round trip less for
+        each. A failure rolls back to that savepoint, undoing the effects of those before it with
+        its own; they run again, each in its own savepoint, as does everything after it in the batch
+        (nothing they did left the database, so nobody else sees it)."""
         self._open_savepoint(batch)
         for k, message in enumerate(run):
-            if self.worker._aborting.is_set() or self.worker.breaker.state is not BreakerState.CLOSED:
+            if self._stopping():
                 batch.unrun.extend(run[k:])  # given back untouched, as in _run_batch
                 return
-            batch.position = i + k
             if self._run_one(batch, message):
                 continue
             undone = {id(m) for m in run[:k]}
             batch.done = [m for m in batch.done if id(m) not in undone]
-            batch.optimistic = False
             if k:
                 log.info(
                     "slot %s: a database-only handler failed; the %s before it in its savepoint run again",
@@ -147,28 +138,36 @@ class Slot(ClaimLoop, Executor, Completer):
                     k,
                     extra={"event": "shared_savepoint_split", "consumer": message.consumer, "messages": k},
                 )
-            rest = [*run[:k], *run[k + 1 :]]
-            for j, m in enumerate(rest):
-                if self.worker._aborting.is_set() or self.worker.breaker.state is not BreakerState.CLOSED:
-                    batch.unrun.extend(rest[j:])
-                    return
-                self._open_savepoint(batch)
-                batch.position = i + run.index(m)
-                self._run_one(batch, m)
+            self._run_each(batch, [*run[:k], *run[k + 1 :]])
             return
 
     def _group_after(self, batch: Batch, i: int, spec: HandlerSpec, taken: set[int]) -> list[Message]:
-        """The messages after position ``i`` that ``spec`` (a batch handler) runs with it: those it
-        handles and supports, not yet run and not past their attempts (these run alone)."""
+        """The messages after position ``i`` that ``spec`` (a batch handler) runs with it."""
         lookup = self.worker.registry.lookup
         return [
             m
             for m in batch.messages[i + 1 :]
-            if m.id not in taken
-            and lookup(m.consumer, m.type) is spec
-            and _supports(spec, m)
-            and m.attempt <= self._policy(m).max_attempts
+            if lookup(m.consumer, m.type) is spec and self._runs_with(spec, m, taken)
         ]
+
+    def _runs_with(self, spec: HandlerSpec, m: Message, taken: set[int]) -> bool:
+        """Whether ``m`` may run with others (in a batch handler's call or a shared savepoint): not
+        run yet, supported by its handler, not past its attempts (such messages run alone)."""
+        return m.id not in taken and _supports(spec, m) and m.attempt <= self._policy(m).max_attempts
+
+    def _stopping(self) -> bool:
+        """The worker is aborting or its circuit is no longer closed: run nothing more of the batch."""
+        return self.worker._aborting.is_set() or self.worker.breaker.state is not BreakerState.CLOSED
+
+    def _run_each(self, batch: Batch, messages: list[Message]) -> None:
+        """``messages`` one at a time, each in its own savepoint; what is left when the worker stops
+        running the batch is given back untouched, as in _run_batch."""
+        for k, m in enumerate(messages):
+            if self._stopping():
+                batch.unrun.extend(messages[k:])
+                return
+            self._open_savepoint(batch)
+            self._run_one(batch, m)
 
     def _open_savepoint(self, batch: Batch) -> None:
         assert self.conn is not None
@@ -214,12 +213,7 @@ class Slot(ClaimLoop, Executor, Completer):
             error,
             extra={"event": "batch_split", "consumer": first.consumer, "messages": len(group)},
         )
-        for k, m in enumerate(group):
-            if self.worker._aborting.is_set() or self.worker.breaker.state is not BreakerState.CLOSED:
-                batch.unrun.extend(group[k:])  # given back untouched, as in _run_batch
-                return
-            self._open_savepoint(batch)
-            self._run_one(batch, m)
+        self._run_each(batch, group)
 
     def _run_one(self, batch: Batch, message: Message) -> bool:
         """One message in its savepoint: run its handler, keep or undo its effects (back to the
