@@ -24,7 +24,7 @@ from tests.bench import backlog, instructions, load, report
 from tests.bench import scripts as sql
 from tests.bench.harness import cpu_times, steal_share
 from tests.bench.report import RESULTS_PAGE, Run, machine_summary
-from tests.bench.workloads import Bench, interleaved, paced, quantiles
+from tests.bench.workloads import Bench, Drained, interleaved, paced, quantiles
 
 REPO = Path(__file__).resolve().parents[2]
 RESULTS = REPO / "bench-results"
@@ -121,23 +121,43 @@ def processing_workloads(b: Bench, sizes: dict[str, int], first: bool, with_peer
     PostgreSQL, RabbitMQ and Kafka), the claim's cost under a backlog, replay, latency, and the
     A→C latency of three databases linked through Kafka."""
     b.record(report.INSERT_UPDATE, "tx/s", b.pgbench(sql.PGBENCH_INSERT_UPDATE, 4, 2, sizes["pg_seconds"]))
-    rate, rss = b.drain(sizes["drain"], 500, processes=2, concurrency=2, batch=50)
-    b.record(report.DRAIN, "msg/s", rate)
-    b.record(report.DRAIN_RSS, "MB", rss)
-    b.record(report.DRAIN_SQL, "msg/s", b.drain_sql(sizes["drain_sql"], 500, 50, sizes["bound_seconds"]))
+    drained = b.drain(sizes["drain"], 500, processes=2, concurrency=2, batch=50)
+    b.record(report.DRAIN, "msg/s", drained.rate)
+    b.record(report.DRAIN_RSS, "MB", drained.rss)
+    record_cpu(
+        b,
+        drained,
+        report.DRAIN_CPU,
+        report.DRAIN_CEILING,
+        report.DRAIN_SERVER_CPU,
+        report.DRAIN_CEILING_SERVER,
+    )
+    drained = b.drain_sql(sizes["drain_sql"], 500, 50, sizes["bound_seconds"])
+    b.record(report.DRAIN_SQL, "msg/s", drained.rate)
+    record_cpu(b, drained, report.DRAIN_SQL_CPU, report.DRAIN_SQL_CEILING)
     # The same handler without its database_only declaration: a savepoint (a round trip) per message.
-    b.record(report.DRAIN_EACH, "msg/s", b.drain(sizes["drain"], 500, 2, 2, 50, app="each_registry")[0])
+    b.record(report.DRAIN_EACH, "msg/s", b.drain(sizes["drain"], 500, 2, 2, 50, app="each_registry").rate)
     # The same drain with a batch handler (one INSERT per call, as the SQL-only drain), twice the
     # messages: it takes under half the time.
-    rate, rss = b.drain(2 * sizes["drain"], 500, processes=2, concurrency=2, batch=50, app="batch_registry")
-    b.record(report.DRAIN_BATCH, "msg/s", rate)
-    b.record(report.DRAIN_BATCH_RSS, "MB", rss)
+    drained = b.drain(2 * sizes["drain"], 500, processes=2, concurrency=2, batch=50, app="batch_registry")
+    b.record(report.DRAIN_BATCH, "msg/s", drained.rate)
+    b.record(report.DRAIN_BATCH_RSS, "MB", drained.rss)
+    record_cpu(
+        b,
+        drained,
+        report.DRAIN_BATCH_CPU,
+        report.DRAIN_BATCH_CEILING,
+        report.DRAIN_BATCH_SERVER_CPU,
+        report.DRAIN_BATCH_CEILING_SERVER,
+    )
     # The same with the configuration's SQL-function batch handler (no Python handler).
-    b.record(report.DRAIN_SQL_BATCH, "msg/s", b.drain(2 * sizes["drain"], 500, 2, 2, 50, app="sql_batch")[0])
+    b.record(
+        report.DRAIN_SQL_BATCH, "msg/s", b.drain(2 * sizes["drain"], 500, 2, 2, 50, app="sql_batch").rate
+    )
     # What bounds it: the same drain in the sustained load's batches, and the round trips the machine
     # makes with nothing to do (a message costs one, its handler's statement; two without database_only).
     batch = report.SUSTAINED_WORKER_BATCH
-    b.record(report.DRAIN_SUSTAINED_BATCH, "msg/s", b.drain(sizes["drain"], 500, 2, 2, batch=batch)[0])
+    b.record(report.DRAIN_SUSTAINED_BATCH, "msg/s", b.drain(sizes["drain"], 500, 2, 2, batch=batch).rate)
     b.record(report.ROUND_TRIPS, "tx/s", b.pgbench(sql.PGBENCH_ROUND_TRIP, 4, 2, sizes["bound_seconds"]))
     for kind in ("postgres", "rabbitmq", "kafka"):
         try:
@@ -156,6 +176,21 @@ def processing_workloads(b: Bench, sizes: dict[str, int], first: bool, with_peer
     lat = b.topology_latency(report.TOPOLOGY_RATE, sizes["lat_seconds"])
     for q in ("p50", "p99", "max"):
         b.record(report.topology_latency_name(q), "ms", lat[q])
+
+
+def record_cpu(b: Bench, drained: Drained, cpu: str, ceiling: str, server: str = "", free: str = "") -> None:
+    """What bounds a drain: its CPU per message (client and server), the rate the machine's cores
+    allow at that cost (``ceiling``) and, given ``server`` and ``free``, the server's share and the
+    rate the cores would allow were the client to take no CPU. Nothing when the server is on
+    another machine (its CPU is not seen)."""
+    if drained.cpu is None or drained.server_cpu is None:
+        return
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    b.record(cpu, "µs/msg", drained.cpu)
+    b.record(ceiling, "msg/s", cores * 1e6 / drained.cpu)
+    if server:
+        b.record(server, "µs/msg", drained.server_cpu)
+        b.record(free, "msg/s", cores * 1e6 / drained.server_cpu)
 
 
 def latency_workloads(b: Bench, sizes: dict[str, int], with_peers: bool) -> None:

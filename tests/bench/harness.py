@@ -4,6 +4,7 @@ the peers' databases, and the record of every figure, per repetition."""
 from __future__ import annotations
 
 import os
+import resource
 import shutil
 import subprocess
 import tempfile
@@ -178,6 +179,52 @@ def rss_mb(pid: int) -> float:
     except OSError:
         pass
     return 0.0
+
+
+_TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def _stat(pid: int | str) -> tuple[str, list[str]] | None:
+    """A process's name and the fields of /proc/PID/stat after it; None once it is gone."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    head, _, rest = text.rpartition(")")
+    return head.partition("(")[2], rest.split()
+
+
+def process_cpu(pid: int) -> float:
+    """A process's CPU time so far (user and system, all its threads), in seconds; 0 once it is gone."""
+    stat = _stat(pid)
+    return (int(stat[1][11]) + int(stat[1][12])) / _TICK if stat else 0.0
+
+
+def children_cpu() -> float:
+    """The CPU time (user and system, seconds) of this process's children that ended and were waited for."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def server_cpu(conn: psycopg.Connection[Any]) -> float | None:
+    """The CPU time (user and system, seconds) of the PostgreSQL server ``conn`` is connected to, all
+    its processes so far: the postmaster's children alive now, and the postmaster with the children it
+    has reaped (backends that ended). None when the server does not run on this machine."""
+    row = conn.execute("SELECT pg_backend_pid()").fetchone()
+    backend = _stat(row[0]) if row else None
+    if backend is None or backend[0] != "postgres":
+        return None
+    postmaster = backend[1][1]
+    own = _stat(postmaster)
+    if own is None or own[0] != "postgres":
+        return None
+    ticks = sum(int(x) for x in own[1][11:15])  # utime, stime, cutime, cstime
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            stat = _stat(entry.name)
+            if stat is not None and stat[1][1] == postmaster:
+                ticks += int(stat[1][11]) + int(stat[1][12])
+    return ticks / _TICK
 
 
 def cpu_times() -> tuple[int, int] | None:

@@ -45,6 +45,28 @@ DRAIN_RSS = "worker peak RSS during drain"
 DRAIN_BATCH_RSS = "worker peak RSS during drain with a batch handler"
 DRAIN_EACH = "ordered drain, a savepoint per message (the handler not declared database_only), 500 keys, 2 proc x 2 slots"
 DRAIN_SQL = "drain in SQL only (claim + effects + complete per 50), pgbench -c 4"
+# What bounds a drain (tests/bench/__main__.py record_cpu): the CPU time a message takes, and the rate
+# the machine's cores allow at that cost.
+DRAIN_CPU = "ordered drain: CPU per message, the worker processes' and the server's"
+DRAIN_SERVER_CPU = "ordered drain: the server's CPU per message"
+DRAIN_CEILING = "ordered drain the cores allow: the machine's cores / its CPU per message (computed)"
+DRAIN_CEILING_SERVER = (
+    "ordered drain the cores would allow, were its worker to take no CPU: the machine's cores / the server's"
+    " CPU per message (computed)"
+)
+DRAIN_SQL_CPU = "drain in SQL only: CPU per message, pgbench's and the server's"
+DRAIN_SQL_CEILING = "drain in SQL only the cores allow: the machine's cores / its CPU per message (computed)"
+DRAIN_BATCH_CPU = (
+    "ordered drain with a batch handler: CPU per message, the worker processes' and the server's"
+)
+DRAIN_BATCH_SERVER_CPU = "ordered drain with a batch handler: the server's CPU per message"
+DRAIN_BATCH_CEILING = (
+    "ordered drain with a batch handler the cores allow: the machine's cores / its CPU per message (computed)"
+)
+DRAIN_BATCH_CEILING_SERVER = (
+    "ordered drain with a batch handler the cores would allow, were its worker to take no CPU: the machine's"
+    " cores / the server's CPU per message (computed)"
+)
 SUSTAINED_WORKER_BATCH = 25  # the sustained load's workers' batch (tests/bench/load.py)
 DRAIN_SUSTAINED_BATCH = f"ordered drain, 500 keys, 2 proc x 2 slots, batch {SUSTAINED_WORKER_BATCH}"
 DRAIN_BATCH = "ordered drain, batch handler (one statement per call), 500 keys, 2 proc x 2 slots"
@@ -185,6 +207,25 @@ CHECKS: tuple[Check, ...] = (
         "ordered drain / drain in SQL only (the same work without a client)", DRAIN, DRAIN_SQL, (">=", 0.8)
     ),
     Check(
+        "ordered drain / what the cores allow it (1: it keeps every core busy)",
+        DRAIN,
+        DRAIN_CEILING,
+        detail=True,
+    ),
+    Check(
+        "what the cores would allow the ordered drain, were its worker to take no CPU / drain in SQL only (the"
+        " most the ratio above could be)",
+        DRAIN_CEILING_SERVER,
+        DRAIN_SQL,
+        detail=True,
+    ),
+    Check(
+        "drain in SQL only / what the cores allow it (under 1: it waits on more than the CPU)",
+        DRAIN_SQL,
+        DRAIN_SQL_CEILING,
+        detail=True,
+    ),
+    Check(
         "ordered drain / the same handler not declared database_only (a savepoint per message)",
         DRAIN,
         DRAIN_EACH,
@@ -195,6 +236,19 @@ CHECKS: tuple[Check, ...] = (
         DRAIN_BATCH,
         DRAIN_SQL,
         (">=", 0.8),
+    ),
+    Check(
+        "ordered drain with a batch handler / what the cores allow it",
+        DRAIN_BATCH,
+        DRAIN_BATCH_CEILING,
+        detail=True,
+    ),
+    Check(
+        "what the cores would allow the batch-handler drain, were its worker to take no CPU / drain in SQL only"
+        " (the most the ratio above could be)",
+        DRAIN_BATCH_CEILING_SERVER,
+        DRAIN_SQL,
+        detail=True,
     ),
     Check(
         "ordered drain with a batch handler / with a handler per message",

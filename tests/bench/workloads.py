@@ -21,7 +21,7 @@ import psycopg
 
 import postbox
 from tests.bench.backlog import READY_10K, claim_complete_ms
-from tests.bench.harness import Harness, rss_mb, wait
+from tests.bench.harness import Harness, children_cpu, process_cpu, rss_mb, server_cpu, wait
 from tests.bench.scripts import DRAIN_SQL_FUNCTION, SQL_BATCH_CONFIG, SQL_BATCH_HANDLER
 from tests.helpers import spawn_postbox
 
@@ -48,6 +48,28 @@ def interleaved(sides: dict[str, Chunk], n: int, chunk: int) -> dict[str, float]
 
 
 Send = Callable[[int], None]  # sends message ``i`` (one side of a paced comparison)
+
+
+@dataclass(frozen=True)
+class Drained:
+    """What a drain measured: its rate, its workers' peak RSS, and the CPU time a message took, of the
+    client (the worker processes, or pgbench) and of the PostgreSQL server, from the first claim to the
+    last message done. The server's is None when it runs on another machine."""
+
+    rate: float  # msg/s
+    rss: float  # MB (0 without worker processes)
+    client_cpu: float  # µs per message
+    server_cpu: float | None  # µs per message
+
+    @property
+    def cpu(self) -> float | None:
+        """Client and server CPU per message, µs."""
+        return None if self.server_cpu is None else self.client_cpu + self.server_cpu
+
+
+def _per_message(seconds: float | None, before: float | None, n: int) -> float | None:
+    """CPU seconds spent between two readings, as µs per message."""
+    return None if seconds is None or before is None else (seconds - before) * 1e6 / n
 
 
 @dataclass
@@ -199,8 +221,8 @@ class Bench(Harness):
 
     def drain(
         self, n: int, keys: int, processes: int, concurrency: int, batch: int, app: str = "registry"
-    ) -> tuple[float, float]:
-        """Ordered drain: msgs/s, and peak worker RSS in MB. Verifies order and exactly-once after.
+    ) -> Drained:
+        """Ordered drain: msgs/s, peak worker RSS, CPU per message. Verifies order and exactly-once after.
         ``app`` names the handlers in tests/bench/app.py: ``registry`` (a handler per message,
         declared database-only), ``each_registry`` (the same without the declaration: a savepoint
         per message) or ``batch_registry`` (a batch handler: one statement per call); or ``sql_batch``, a
@@ -238,12 +260,15 @@ class Bench(Harness):
         try:
             with psycopg.connect(url, autocommit=True) as c:
                 wait(lambda: c.execute("SELECT count(*) FROM postbox.workers").fetchone()[0] == processes, 30)
+                server, client = server_cpu(c), sum(process_cpu(p.pid) for p in procs)
                 t = time.perf_counter()
                 c.execute("SELECT postbox.consumer_resume_v1('bench')")
                 while c.execute("SELECT EXISTS (SELECT 1 FROM postbox.inbox)").fetchone()[0]:
                     peak = max(peak, *(rss_mb(p.pid) for p in procs))
                     time.sleep(0.05)
                 elapsed = time.perf_counter() - t
+                used = (sum(process_cpu(p.pid) for p in procs) - client) * 1e6 / n
+                server_used = _per_message(server_cpu(c), server, n)
                 bad = c.execute(
                     "SELECT count(*) FROM (SELECT seq, lag(seq) OVER (PARTITION BY key ORDER BY id) AS prev"
                     " FROM bench_effects) e WHERE prev IS NOT NULL AND seq <> prev + 1"
@@ -260,24 +285,32 @@ class Bench(Harness):
                 p.wait(30)
             if config:
                 os.unlink(config)
-        return n / elapsed, peak
+        return Drained(n / elapsed, peak, used, server_used)
 
-    def drain_sql(self, n: int, keys: int, batch: int, seconds: int) -> float:
+    def drain_sql(self, n: int, keys: int, batch: int, seconds: int) -> Drained:
         """What bounds the drain: the same claim, effect rows and complete, in SQL only (no Python,
-        no per-message round trips or savepoints), one batch per transaction, pgbench -c 4; msg/s.
-        Started with more messages than it can take in that time (if not, it says so)."""
+        no per-message round trips or savepoints), one batch per transaction, pgbench -c 4; msg/s
+        and CPU per message (the client's is pgbench's). Started with more messages than it can take
+        in that time (if not, it says so)."""
         url = self.fresh()
         self._preload(url, n, keys)
         with psycopg.connect(url, autocommit=True) as c:
             c.execute(DRAIN_SQL_FUNCTION)
             c.execute("SELECT postbox.consumer_resume_v1('bench')")
+            server, client = server_cpu(c), children_cpu()
             self.pgbench(f"SELECT bench_drain_batch({batch});\n", 4, 2, seconds, url=url)
+            server_after, client_after = server_cpu(c), children_cpu()
             done, left = c.execute(
                 "SELECT (SELECT count(*) FROM bench_effects), (SELECT count(*) FROM postbox.inbox)"
             ).fetchone()
         if not left:
             print("  ! the SQL-only drain ran dry: its figure is a lower bound", flush=True)
-        return done / seconds
+        return Drained(
+            done / seconds,
+            0.0,
+            (client_after - client) * 1e6 / done,
+            _per_message(server_after, server, done),
+        )
 
     def relay(
         self, n: int, keys: int, kind: str, batch: int = 200, concurrency: int = 2
