@@ -330,3 +330,10 @@ def _listener(event: str, data: dict[str, Any]) -> None:
 
 
 registry.listeners.append(_listener)
+
+# The same handler declared database_only (F6 with a shared savepoint): the neighbours of a batch
+# share one savepoint, and a failure runs the ones before it again. Its effects and outbox events
+# all go through ctx.conn; the misbehaviour log is the harness's record, not an effect.
+shared_registry = Registry()
+shared_registry.add(handle, CONSUMER, retry=POLICY, on_dead_letter="skip", database_only=True)
+shared_registry.listeners.append(_listener)

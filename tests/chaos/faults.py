@@ -161,7 +161,7 @@ MISBEHAVE_RATE = 0.05
 MISBEHAVE_TIMEOUT = 1.0
 
 
-def _misbehaving(batch_size: int) -> Fault:
+def _misbehaving(batch_size: int, *, database_only: bool = False) -> Fault:
     def inject(rig: Rig) -> None:
         rig.note("misbehaviour windows")
 
@@ -172,18 +172,33 @@ def _misbehaving(batch_size: int) -> Fault:
         # Polled, not woken by each message: batches fill up, so that a handler's SQL COMMIT or
         # ROLLBACK has messages before it in its batch to commit or undo.
         args += ("--no-listen", "--poll-interval", "0.5")
+    if database_only:
+        # The handler declared database_only: its neighbours in a batch share a savepoint.
+        args += ("--app", "tests.apps.chaos:shared_registry")
 
     return Fault(
-        f"F6 misbehaving handlers, batch {batch_size}",
+        f"F6 misbehaving handlers, batch {batch_size}"
+        + (", declared database_only" if database_only else ""),
         f"{MISBEHAVE_RATE:.0%} of messages misbehave: commit/rollback/close/autocommit through ctx.conn"
         " (refused), SQL COMMIT and ROLLBACK, sleeping, spinning and blocking an async handler past"
         f" a {MISBEHAVE_TIMEOUT:g} s time limit, SystemExit, KeyboardInterrupt, a swallowed database error;"
-        f" batches of {batch_size}" + (" (polled every 0.5 s)" if batch_size > 1 else ""),
+        f" batches of {batch_size}"
+        + (" (polled every 0.5 s)" if batch_size > 1 else "")
+        + (
+            "; the handler declared database_only (a batch's neighbours share a savepoint)"
+            if database_only
+            else ""
+        ),
         inject,
         _noop,
         hold=3.0,
         gap=1.0,
-        env={"CHAOS_MISBEHAVE_RATE": str(MISBEHAVE_RATE), "CHAOS_STUCK_SECONDS": "3.5"},
+        env={
+            "CHAOS_MISBEHAVE_RATE": str(MISBEHAVE_RATE),
+            "CHAOS_STUCK_SECONDS": "3.5",
+            # The run counts the shared savepoints a failure split (an info line each).
+            **({"POSTBOX_LOG_LEVEL": "info"} if database_only else {}),
+        },
         worker_args=args,
         expected_exits=(70,),
     )
@@ -191,7 +206,8 @@ def _misbehaving(batch_size: int) -> Fault:
 
 F6_BATCH1 = _misbehaving(1)
 F6_BATCH10 = _misbehaving(10)
-MISBEHAVING = [F6_BATCH1, F6_BATCH10]
+F6_SHARED = _misbehaving(10, database_only=True)
+MISBEHAVING = [F6_BATCH1, F6_BATCH10, F6_SHARED]
 
 
 # F7: a rolling deploy under load. The run starts at the previous release (its schema, workers and

@@ -387,6 +387,10 @@ def run_fault(
         notes["late completions refused by the fence"] = workers.count_in_logs("claims lost for")
         if "CHAOS_MISBEHAVE_RATE" in env:
             notes["slots abandoned"] = workers.count_in_logs('"event": "handler_abandoned"')
+            # Handlers declared database_only: a failure undid its neighbours' effects with its own.
+            notes["shared savepoints split by a failure"] = workers.count_in_logs(
+                '"event": "shared_savepoint_split"'
+            )
         if fault.broker == "kafka":
             notes["relay attempts failed"] = _failed_sends(url)
             if isinstance(broker, KafkaBrokerLog):
