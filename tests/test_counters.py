@@ -37,3 +37,64 @@ def test_observe_many_is_observe_for_each_value(values):
     assert got.keys() == expected.keys()
     for key, value in expected.items():
         assert got[key] == pytest.approx(value, nan_ok=True), key
+
+
+def test_a_batchs_handler_runs_reach_the_histograms_as_one_observation_each():
+    """record_runs: each run's handler time under its consumer and type, and the receive-to-start
+    time of first attempts only (a retry's start says nothing of the queue's lag)."""
+    from datetime import UTC, datetime, timedelta
+    from types import SimpleNamespace
+
+    from postbox.operations import counters
+
+    t0 = datetime(2026, 12, 7, tzinfo=UTC)
+    runs = [
+        (
+            SimpleNamespace(consumer="rr-a", type="x", attempt=1, received_at=t0),
+            t0 + timedelta(seconds=0.02),
+            0.003,
+        ),
+        (
+            SimpleNamespace(consumer="rr-a", type="x", attempt=2, received_at=t0),
+            t0 + timedelta(seconds=9),
+            0.5,
+        ),
+        (
+            SimpleNamespace(consumer="rr-a", type=None, attempt=1, received_at=t0),
+            t0 + timedelta(seconds=0.3),
+            0.07,
+        ),
+        (
+            SimpleNamespace(consumer="rr-b", type="x", attempt=1, received_at=t0),
+            t0 - timedelta(seconds=1),
+            2.0,
+        ),
+    ]
+
+    def count(histogram: Histogram, *labels: str) -> tuple[float, float]:
+        samples = {s.name: s.value for m in histogram.labels(*labels).collect() for s in m.samples}
+        return samples[histogram._name + "_count"], samples[histogram._name + "_sum"]
+
+    before = {
+        "handler a x": count(counters.HANDLER_SECONDS, "rr-a", "x"),
+        "handler a": count(counters.HANDLER_SECONDS, "rr-a", ""),
+        "handler b x": count(counters.HANDLER_SECONDS, "rr-b", "x"),
+        "lag a": count(counters.START_LAG_SECONDS, "rr-a"),
+        "lag b": count(counters.START_LAG_SECONDS, "rr-b"),
+    }
+    counters.record_runs(runs)
+    after = {
+        "handler a x": count(counters.HANDLER_SECONDS, "rr-a", "x"),
+        "handler a": count(counters.HANDLER_SECONDS, "rr-a", ""),
+        "handler b x": count(counters.HANDLER_SECONDS, "rr-b", "x"),
+        "lag a": count(counters.START_LAG_SECONDS, "rr-a"),
+        "lag b": count(counters.START_LAG_SECONDS, "rr-b"),
+    }
+    grew = {k: (after[k][0] - before[k][0], round(after[k][1] - before[k][1], 6)) for k in after}
+    assert grew == {
+        "handler a x": (2, 0.503),
+        "handler a": (1, 0.07),
+        "handler b x": (1, 2.0),
+        "lag a": (2, 0.32),  # the retry (attempt 2) has no lag
+        "lag b": (1, 0.0),  # a clock behind the database's counts as no lag
+    }

@@ -46,10 +46,7 @@ __all__ = [
     "record_breaker",
     "record_claim",
     "record_failure",
-    "record_handler",
-    "record_handlers",
-    "record_start",
-    "record_starts",
+    "record_runs",
     "record_success",
     "record_successes",
 ]
@@ -232,17 +229,6 @@ def record_claim(consumer: str, messages: Sequence[Any], seconds: float) -> None
         _child(REDELIVERIES, consumer).inc(redelivered)
 
 
-def record_start(message: Any, now: datetime) -> None:
-    if message.attempt == 1:
-        _child(START_LAG_SECONDS, message.consumer).observe(
-            max(0.0, (now - message.received_at).total_seconds())
-        )
-
-
-def record_handler(message: Any, seconds: float) -> None:
-    _child(HANDLER_SECONDS, message.consumer, _type(message)).observe(seconds)
-
-
 def observe_many(histogram: Any, values: Sequence[float]) -> None:
     """``histogram.observe(v)`` for each of ``values`` (a labelled child, no exemplars), with one
     update of its sum and of each bucket it touches, where each observation would take the locks
@@ -266,25 +252,22 @@ def observe_many(histogram: Any, values: Sequence[float]) -> None:
         buckets[i].inc(n)
 
 
-def record_starts(messages: Sequence[Any], now: datetime) -> None:
-    """:func:`record_start` for each of ``messages`` (a batch handler's call, all of one consumer)."""
-    firsts = [m for m in messages if m.attempt == 1]
-    for consumer in {m.consumer for m in firsts}:
-        observe_many(
-            _child(START_LAG_SECONDS, consumer),
-            [max(0.0, (now - m.received_at).total_seconds()) for m in firsts if m.consumer == consumer],
-        )
-
-
-def record_handlers(messages: Sequence[Any], seconds: float) -> None:
-    """:func:`record_handler` for each of ``messages`` with the same ``seconds`` (each message's
-    share of a batch handler's call)."""
-    counts: dict[tuple[str, str], int] = {}
-    for m in messages:
-        labels = (m.consumer, _type(m))
-        counts[labels] = counts.get(labels, 0) + 1
-    for labels, n in counts.items():
-        observe_many(_child(HANDLER_SECONDS, *labels), [seconds] * n)
+def record_runs(runs: Sequence[tuple[Any, datetime, float]]) -> None:
+    """The handler runs of a batch, each ``(message, when its handler started, the seconds it took)``
+    (a batch handler's call: its share for each message): the time from receipt to the first
+    attempt's start, and the handler's time, with one update of each histogram per consumer (and
+    type) where an observation each would take its locks every time."""
+    lags: dict[str, list[float]] = {}
+    took: dict[tuple[str, str], list[float]] = {}
+    for message, started, seconds in runs:
+        if message.attempt == 1:
+            lag = max(0.0, (started - message.received_at).total_seconds())
+            lags.setdefault(message.consumer, []).append(lag)
+        took.setdefault((message.consumer, _type(message)), []).append(seconds)
+    for consumer, values in lags.items():
+        observe_many(_child(START_LAG_SECONDS, consumer), values)
+    for labels, values in took.items():
+        observe_many(_child(HANDLER_SECONDS, *labels), values)
 
 
 def record_successes(messages: Sequence[Any], now: datetime) -> None:

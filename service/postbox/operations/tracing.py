@@ -26,7 +26,7 @@ from __future__ import annotations
 import re
 import secrets
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import TYPE_CHECKING, Any, Protocol, TypeAlias
 
 from postbox._version import __version__
@@ -231,14 +231,19 @@ class _Delivered(Protocol):
     correlation_id: str | None
 
 
-@contextmanager
-def processing(message: _Delivered) -> Iterator[SpanHandle]:
+# What processing() gives while no SDK is configured: no span, and nothing made per message.
+_NO_SPAN: AbstractContextManager[SpanHandle] = nullcontext(None)
+
+
+def processing(message: _Delivered) -> AbstractContextManager[SpanHandle]:
     """The CONSUMER span of one attempt at ``message`` in the worker, current while its handler
     runs, a child of the message's ``traceparent``. Give it its outcome with :func:`decided`."""
     tracer = _tracer() if OTEL else None
-    if tracer is None:
-        yield None
-        return
+    return _NO_SPAN if tracer is None else _processing(tracer, message)
+
+
+@contextmanager
+def _processing(tracer: Tracer, message: _Delivered) -> Iterator[SpanHandle]:
     attributes = {
         "messaging.system": SYSTEM,
         "messaging.operation.name": "process",

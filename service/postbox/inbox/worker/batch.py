@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import Any
 
 from postbox.failures.classify import Classification
@@ -67,6 +68,8 @@ class Batch:
     # Message id -> the messages of the batch handler's call it ran in, while that call's effects
     # stand (a handler that ends the transaction may have committed them all).
     calls: dict[int, list[Message]] = field(default_factory=dict)
+    # The handler runs not yet in the metrics: (message, when its handler started, seconds it took).
+    runs: list[tuple[Message, datetime, float]] = field(default_factory=list)
 
     def after(self, message: Message) -> list[Message]:
         """The messages after ``message`` that have not run."""

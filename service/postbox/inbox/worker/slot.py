@@ -70,7 +70,15 @@ class Slot(ClaimLoop, Executor, Completer):
     def _run_batch(self, batch: Batch) -> None:
         """Run the batch's messages in order, each in its savepoint; the messages of a batch
         handler run together in one call, at the first of them (they are heads of distinct keys,
-        so no message of the batch waits for another)."""
+        so no message of the batch waits for another). Their runs reach the metrics when they are
+        over, before the batch is settled."""
+        try:
+            self._run_messages(batch)
+        finally:
+            metrics.record_runs(batch.runs)
+            batch.runs.clear()
+
+    def _run_messages(self, batch: Batch) -> None:
         assert self.conn is not None
         taken: set[int] = set()  # ids of messages already run as part of a batch handler's call
         for i, message in enumerate(batch.messages):
@@ -186,7 +194,7 @@ class Slot(ClaimLoop, Executor, Completer):
         batch.in_flight = first
         batch.calls.update(dict.fromkeys([m.id for m in group], group))
         with tracing.processing_batch(group) as span:
-            metrics.record_starts(group, self.worker.clock.now())
+            now = self.worker.clock.now()
             started = time.monotonic()
             error = self._run_batch_handler(spec, group)
             duration_ms = (time.monotonic() - started) * 1000.0
@@ -194,7 +202,7 @@ class Slot(ClaimLoop, Executor, Completer):
             error = self._after_handler(first, error)
             batch.in_flight = None
             share = duration_ms / len(group)
-            metrics.record_handlers(group, share / 1000.0)
+            batch.runs.extend((m, now, share / 1000.0) for m in group)
             self._durations.update(dict.fromkeys([m.id for m in group], share))
             if error is None:
                 batch.done.extend(group)
@@ -221,14 +229,14 @@ class Slot(ClaimLoop, Executor, Completer):
         assert self.conn is not None
         batch.in_flight = message
         with tracing.processing(message) as span:
-            metrics.record_start(message, self.worker.clock.now())
+            now = self.worker.clock.now()
             started = time.monotonic()
             error = self._run_handler(message)
             duration_ms = (time.monotonic() - started) * 1000.0
             batch.last_run = message
             error = self._after_handler(message, error)
             batch.in_flight = None
-            metrics.record_handler(message, duration_ms / 1000.0)
+            batch.runs.append((message, now, duration_ms / 1000.0))
             self._durations[message.id] = duration_ms
             if error is None:
                 batch.done.append(message)
