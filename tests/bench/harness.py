@@ -209,22 +209,36 @@ def children_cpu() -> float:
 def server_cpu(conn: psycopg.Connection[Any]) -> float | None:
     """The CPU time (user and system, seconds) of the PostgreSQL server ``conn`` is connected to, all
     its processes so far: the postmaster's children alive now, and the postmaster with the children it
-    has reaped (backends that ended). None when the server does not run on this machine."""
+    has reaped (backends that ended). None when the server does not run on this machine.
+
+    A backend's time moves to the postmaster's when the postmaster reaps it. Reaped while the
+    children are read, it would be in neither reading: the reading is taken again until the
+    postmaster's reaped time is the same before and after it. A backend that has exited but is not
+    reaped yet (a zombie) shows no time of its own: the reading waits, up to 5 s, until none is left
+    (the backends of a pgbench that just ended)."""
     row = conn.execute("SELECT pg_backend_pid()").fetchone()
     backend = _stat(row[0]) if row else None
     if backend is None or backend[0] != "postgres":
         return None
     postmaster = backend[1][1]
-    own = _stat(postmaster)
-    if own is None or own[0] != "postgres":
-        return None
-    ticks = sum(int(x) for x in own[1][11:15])  # utime, stime, cutime, cstime
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            stat = _stat(entry.name)
-            if stat is not None and stat[1][1] == postmaster:
-                ticks += int(stat[1][11]) + int(stat[1][12])
-    return ticks / _TICK
+    deadline = time.monotonic() + 5.0
+    while True:
+        own = _stat(postmaster)
+        if own is None or own[0] != "postgres":
+            return None
+        ticks = sum(int(x) for x in own[1][11:15])  # utime, stime, cutime, cstime
+        ended = False
+        for entry in Path("/proc").iterdir():
+            if entry.name.isdigit():
+                stat = _stat(entry.name)
+                if stat is not None and stat[1][1] == postmaster:
+                    ended = ended or stat[1][0] in ("Z", "X")
+                    ticks += int(stat[1][11]) + int(stat[1][12])
+        again = _stat(postmaster)
+        settled = again is not None and again[1][13:15] == own[1][13:15] and not ended
+        if settled or time.monotonic() > deadline:
+            return ticks / _TICK
+        time.sleep(0.01)
 
 
 def cpu_times() -> tuple[int, int] | None:
