@@ -122,16 +122,8 @@ def processing_workloads(b: Bench, sizes: dict[str, int], first: bool, with_peer
     A→C latency of three databases linked through Kafka."""
     b.record(report.INSERT_UPDATE, "tx/s", b.pgbench(sql.PGBENCH_INSERT_UPDATE, 4, 2, sizes["pg_seconds"]))
     drained = b.drain(sizes["drain"], 500, processes=2, concurrency=2, batch=50)
-    b.record(report.DRAIN, "msg/s", drained.rate)
-    b.record(report.DRAIN_RSS, "MB", drained.rss)
-    record_cpu(
-        b,
-        drained,
-        report.DRAIN_CPU,
-        report.DRAIN_CEILING,
-        report.DRAIN_SERVER_CPU,
-        report.DRAIN_CEILING_SERVER,
-    )
+    record_drain(b, drained, report.DRAIN, report.DRAIN_RSS, report.DRAIN_CPU, report.DRAIN_CEILING)
+    record_cpu(b, drained, report.DRAIN_SERVER_CPU, report.DRAIN_CEILING_SERVER, server=True)
     drained = b.drain_sql(sizes["drain_sql"], 500, 50, sizes["bound_seconds"])
     b.record(report.DRAIN_SQL, "msg/s", drained.rate)
     record_cpu(b, drained, report.DRAIN_SQL_CPU, report.DRAIN_SQL_CEILING)
@@ -140,16 +132,15 @@ def processing_workloads(b: Bench, sizes: dict[str, int], first: bool, with_peer
     # The same drain with a batch handler (one INSERT per call, as the SQL-only drain), twice the
     # messages: it takes under half the time.
     drained = b.drain(2 * sizes["drain"], 500, processes=2, concurrency=2, batch=50, app="batch_registry")
-    b.record(report.DRAIN_BATCH, "msg/s", drained.rate)
-    b.record(report.DRAIN_BATCH_RSS, "MB", drained.rss)
-    record_cpu(
+    record_drain(
         b,
         drained,
+        report.DRAIN_BATCH,
+        report.DRAIN_BATCH_RSS,
         report.DRAIN_BATCH_CPU,
         report.DRAIN_BATCH_CEILING,
-        report.DRAIN_BATCH_SERVER_CPU,
-        report.DRAIN_BATCH_CEILING_SERVER,
     )
+    record_cpu(b, drained, report.DRAIN_BATCH_SERVER_CPU, report.DRAIN_BATCH_CEILING_SERVER, server=True)
     # The same with the configuration's SQL-function batch handler (no Python handler).
     b.record(
         report.DRAIN_SQL_BATCH, "msg/s", b.drain(2 * sizes["drain"], 500, 2, 2, 50, app="sql_batch").rate
@@ -178,19 +169,23 @@ def processing_workloads(b: Bench, sizes: dict[str, int], first: bool, with_peer
         b.record(report.topology_latency_name(q), "ms", lat[q])
 
 
-def record_cpu(b: Bench, drained: Drained, cpu: str, ceiling: str, server: str = "", free: str = "") -> None:
-    """What bounds a drain: its CPU per message (client and server), the rate the machine's cores
-    allow at that cost (``ceiling``) and, given ``server`` and ``free``, the server's share and the
-    rate the cores would allow were the client to take no CPU. Nothing when the server is on
-    another machine (its CPU is not seen)."""
+def record_drain(b: Bench, drained: Drained, rate: str, rss: str, cpu: str, ceiling: str) -> None:
+    """A drain by worker processes: its rate, their peak RSS, and its CPU per message (below)."""
+    b.record(rate, "msg/s", drained.rate)
+    b.record(rss, "MB", drained.rss)
+    record_cpu(b, drained, cpu, ceiling)
+
+
+def record_cpu(b: Bench, drained: Drained, cpu: str, ceiling: str, *, server: bool = False) -> None:
+    """What bounds a drain: its CPU per message, client and server (or the server's alone, if
+    ``server``: the worker's cost left out), as ``cpu``, and as ``ceiling`` the rate the machine's
+    cores allow at that cost. Nothing when the server is on another machine (its CPU is not seen)."""
     if drained.cpu is None or drained.server_cpu is None:
         return
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    b.record(cpu, "µs/msg", drained.cpu)
-    b.record(ceiling, "msg/s", cores * 1e6 / drained.cpu)
-    if server:
-        b.record(server, "µs/msg", drained.server_cpu)
-        b.record(free, "msg/s", cores * 1e6 / drained.server_cpu)
+    per_message = drained.server_cpu if server else drained.cpu
+    b.record(cpu, "µs/msg", per_message)
+    b.record(ceiling, "msg/s", cores * 1e6 / per_message)
 
 
 def latency_workloads(b: Bench, sizes: dict[str, int], with_peers: bool) -> None:
