@@ -23,7 +23,7 @@ def test_the_servers_cpu_time_grows_with_the_work_it_does(conn):
 def test_the_time_of_a_backend_that_just_ended_is_counted(conn, database):
     """A backend whose client has just gone ends while the server's processes are read: its time
     moves to the postmaster's as it is reaped, and the reading must find it in one place or the
-    other (pgbench's backends, at the end of its run). Read at once, it was lost half the time."""
+    other (pgbench's backends, at the end of its run)."""
     import psycopg
 
     before = server_cpu(conn)

@@ -299,16 +299,6 @@ class Bench(Harness):
             c.execute("SELECT postbox.consumer_resume_v1('bench')")
             server, client = server_cpu(c), children_cpu()
             self.pgbench(f"SELECT bench_drain_batch({batch});\n", 4, 2, seconds, url=url)
-            # pgbench's backends end after it: their time is the server's once they have.
-            wait(
-                lambda: (
-                    not c.execute(
-                        "SELECT EXISTS (SELECT 1 FROM pg_stat_activity WHERE datname = current_database()"
-                        " AND pid <> pg_backend_pid())"
-                    ).fetchone()[0]
-                ),
-                10,
-            )
             server_after, client_after = server_cpu(c), children_cpu()
             done, left = c.execute(
                 "SELECT (SELECT count(*) FROM bench_effects), (SELECT count(*) FROM postbox.inbox)"

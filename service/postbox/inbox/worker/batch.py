@@ -62,7 +62,6 @@ class Batch:
     unrun: list[Message] = field(default_factory=list)
     in_flight: Message | None = None
     last_run: Message | None = None
-    position: int = 0  # index of the message being (or last) run
     xid: str | None = None  # the batch transaction's id, assigned as it begins
     savepoint: bool = False  # the batch's transaction and first savepoint are open
     # Message id -> the messages of the batch handler's call it ran in, while that call's effects

@@ -99,7 +99,6 @@ class Slot(ClaimLoop, Executor, Completer):
                 group = [message, *self._group_after(batch, i, spec, taken)]
                 if len(group) > 1:
                     taken.update(m.id for m in group)
-                    batch.position = i
                     self._run_group(batch, spec, group)
                     continue
             if spec is not None and spec.database_only and not batch.failures:
@@ -109,7 +108,6 @@ class Slot(ClaimLoop, Executor, Completer):
                     self._run_shared(batch, run)
                     continue
             self._open_savepoint(batch)
-            batch.position = i
             self._run_one(batch, message)
 
     def _database_only_run(self, batch: Batch, i: int, taken: set[int]) -> list[Message]:
