@@ -41,7 +41,10 @@ def produce(url: str, *messages: tuple[str, dict[str, Any]]) -> None:
 
 
 def run(url: str, registry: Registry, **settings: Any) -> None:
-    w = Worker(url, registry, WorkerSettings(consumer="c", **{**FAST, "batch_size": 10, **settings}))
+    """Run a worker until the inbox is settled: one slot, so that one claim takes every message
+    produced (two slots claiming at once could split them between their batches)."""
+    settings = {**FAST, "concurrency": 1, "batch_size": 10, **settings}
+    w = Worker(url, registry, WorkerSettings(consumer="c", **settings))
     w.start()
     try:
         eventually(
