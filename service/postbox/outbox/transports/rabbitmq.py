@@ -76,8 +76,12 @@ class RabbitMQTransport:
                 self.close()
                 return [Permanent(mask_text(f"RabbitMQ URL refused: {error}"))] * len(rows)
             self._returned.clear()
+            # The channel's own basic_publish writes each message out before it returns (a socket
+            # flush and a poll per message); its underlying channel only queues the frames, and
+            # tx.commit flushes the batch with them, in order, in the same connection.
+            publish = getattr(channel, "_impl", channel).basic_publish
             for row in rows:
-                channel.basic_publish(
+                publish(
                     self.exchange,
                     self.routing_key,
                     to_json(row.payload).encode(),
