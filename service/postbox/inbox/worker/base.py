@@ -12,6 +12,7 @@ import time
 from typing import TYPE_CHECKING
 
 import psycopg
+from psycopg.types.json import set_json_loads
 from sqlalchemy import create_engine
 from sqlalchemy.engine import Connection as SAConnection
 from sqlalchemy.engine import Engine, RootTransaction
@@ -25,6 +26,7 @@ from postbox.inbox.connection import AsyncHandlerConnection, HandlerConnection
 from postbox.inbox.handlers import Message
 from postbox.inbox.worker.batch import Batch, Inheritance
 from postbox.inbox.worker.settings import Abandoned, SlotStop
+from postbox.values import from_json
 
 if TYPE_CHECKING:
     from postbox.inbox.worker.worker import Worker
@@ -105,6 +107,7 @@ class SlotBase:
                     options=f"-c idle_in_transaction_session_timeout={int(self.settings.lease_seconds * 1000)}",
                 )
                 self._backend_pid = conn.info.backend_pid
+                set_json_loads(from_json, conn)  # json.loads's results, faster (every claim parses)
                 if for_handlers:
                     self._engine = self._sqlalchemy_engine(conn)
                 if for_handlers and self._has_async:
