@@ -302,20 +302,20 @@ def test_a_worker_started_while_the_database_is_down_waits_for_it(db, tmp_path):
         proxy.down()
 
 
-@pytest.mark.parametrize(
-    "command",
-    [
-        ("worker", "--consumer", "mis", "--app", "tests.apps.misbehaving:registry"),
-        ("relay",),
-        ("bridge", "--from", "amqp://guest:guest@127.0.0.1:5672/%2F", "--name", "q", "--consumer", "mis"),
-        ("replay", "run"),
-        ("maintain",),
-    ],
-    ids=lambda c: c[0],
-)
-def test_connect_timeout_gives_up_with_a_clear_error(db, tmp_path, command):
-    """Every long-running process waits for an unreachable database; --connect-timeout bounds the
-    wait, then it exits 1 with one line saying why, no traceback."""
+# Every long-running command, as an operator starts it.
+LONG_RUNNING = [
+    ("worker", "--consumer", "mis", "--app", "tests.apps.misbehaving:registry"),
+    ("relay",),
+    ("bridge", "--from", "amqp://guest:guest@127.0.0.1:5672/%2F", "--name", "q", "--consumer", "mis"),
+    ("replay", "run"),
+    ("maintain",),
+]
+
+
+def spawn_unreachable(
+    db, tmp_path: Path, command: tuple[str, ...], *args: str
+) -> tuple[subprocess.Popen[bytes], Path]:
+    """``postbox <command>`` on a database that refuses connections, its stderr in a log file."""
     proxy, url = database_proxy(db.url)
     proxy.down()
     log = tmp_path / "process.log"
@@ -323,10 +323,37 @@ def test_connect_timeout_gives_up_with_a_clear_error(db, tmp_path, command):
     config.write_text('[destinations.elsewhere]\nkind = "postgres"\nconsumer = "mis"\n')
     with open(log, "wb") as out:
         p = spawn_postbox(
-            "--config", str(config), "--database-url", url, *command, "--connect-timeout", "1.5",
-            stderr=out.fileno(),
-        )  # fmt: skip
+            "--config", str(config), "--database-url", url, *command, *args, stderr=out.fileno()
+        )
+    return p, log
+
+
+@pytest.mark.parametrize("command", LONG_RUNNING, ids=lambda c: c[0])
+def test_connect_timeout_gives_up_with_a_clear_error(db, tmp_path, command):
+    """Every long-running process waits for an unreachable database; --connect-timeout bounds the
+    wait, then it exits 1 with one line saying why, no traceback."""
+    p, log = spawn_unreachable(db, tmp_path, command, "--connect-timeout", "1.5")
     assert p.wait(30) == 1
     text = log.read_text()
     assert "cannot reach the database" in text and "gave up after" in text and "--connect-timeout" in text
     assert "Traceback" not in text
+
+
+@pytest.mark.parametrize("command", LONG_RUNNING, ids=lambda c: c[0])
+def test_sigterm_while_waiting_for_the_database_exits_0_and_says_so(db, tmp_path, monkeypatch, command):
+    """A process stopped (SIGTERM, as a supervisor stops it) while it still waits for its database
+    exits at once with status 0 and one line saying so: no traceback, and nothing registered."""
+    monkeypatch.setenv("POSTBOX_LOG_LEVEL", "info")  # the line is at level info
+    p, log = spawn_unreachable(db, tmp_path, command)
+    try:
+        eventually(lambda: "cannot reach the database" in log.read_text(), timeout=20, what="waiting")
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(10) == 0
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    text = log.read_text()
+    assert "stopped while waiting for the database" in text
+    assert "Traceback" not in text
+    assert scalar(db.url, "SELECT count(*) FROM postbox.workers") == 0
