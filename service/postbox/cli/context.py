@@ -36,6 +36,38 @@ def settings(ctx: click.Context) -> Settings:
     return loaded
 
 
+def apply_config_file(ctx: click.Context, log_format: str, log_level: str) -> tuple[str, str]:
+    """What the configuration file sets for the command about to run, below its flags and
+    environment variables: ``log_format`` and ``log_level`` of ``[postbox]`` (returned, for the
+    group's options left at their defaults), and the tables ``[postbox.worker]``, ``[postbox.relay]``,
+    ``[postbox.bridge]``, ``[postbox.maintain]`` and ``[postbox.replay_run]`` as the defaults of
+    those commands' options. A file that does not load changes nothing here: the command reports
+    it when it reads its settings."""
+    try:
+        s = settings(ctx)
+    except ConfigError:
+        return log_format, log_level
+    from_default = (click.core.ParameterSource.DEFAULT, click.core.ParameterSource.DEFAULT_MAP)
+    if ctx.get_parameter_source("log_format") in from_default:
+        log_format = s.log_format
+    if ctx.get_parameter_source("log_level") in from_default:
+        log_level = s.log_level
+    ctx.default_map = {**command_defaults(s), **(ctx.default_map or {})}
+    return log_format, log_level
+
+
+def command_defaults(s: Settings) -> dict[str, Any]:
+    """The option defaults the settings' command tables set, as click's ``default_map`` of the
+    ``postbox`` group (only what the file or the environment set: the rest keeps each option's own)."""
+    return {
+        "worker": s.worker.model_dump(exclude_unset=True),
+        "relay": s.relay.model_dump(exclude_unset=True),
+        "bridge": s.bridge.model_dump(exclude_unset=True),
+        "maintain": s.maintain.model_dump(exclude_unset=True),
+        "replay": {"run": s.replay_run.model_dump(exclude_unset=True)},
+    }
+
+
 NO_DATABASE = (
     "no database given: set POSTBOX_DATABASE_URL, pass --database-url, or set database_url in [postbox] "
     "of the configuration file (postgresql://USER@HOST:PORT/DATABASE); only 'postbox demo' "
@@ -110,6 +142,8 @@ def _check_schema(what: str) -> Callable[[str], str | None]:
 
 
 def _spec(ctx: click.Context, what: str, url: str, connect_timeout: float | None, **kw: Any) -> ProcessSpec:
+    if connect_timeout is None:  # no --connect-timeout: [postbox] connect_timeout, else no limit
+        connect_timeout = settings(ctx).connect_timeout
     return ProcessSpec(
         what=what,
         url=url,

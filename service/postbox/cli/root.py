@@ -51,6 +51,8 @@ def cli(
 ) -> None:
     """Postbox: transactional inbox and outbox on PostgreSQL."""
     ctx.ensure_object(dict).update(config=config, database_url=database_url)
+    if config is not None:
+        log_format, log_level = cli_context.apply_config_file(ctx, log_format, log_level)
     setup_observability(ctx, log_format, log_level, metrics_port)
 
 
