@@ -107,6 +107,7 @@ class _Signals:
         self.spec = spec
         self.count = 0
         self.event = threading.Event()
+        self.aborted = threading.Event()  # a second signal came
         self._previous: dict[int, Any] = {}
         self._received: queue.SimpleQueue[int | None] = queue.SimpleQueue()  # put() is reentrant
         self._relay = threading.Thread(target=self._handle_all, name="postbox-signals", daemon=True)
@@ -134,6 +135,7 @@ class _Signals:
                 self.service.stop()
             else:
                 self.spec.say("aborting", logging.WARNING)
+                self.aborted.set()
                 self.service.abort()
 
 
@@ -198,8 +200,47 @@ def run_process(service: Service, spec: ProcessSpec) -> int:
             while not service.stopping and service.fatal is None:
                 signals.event.wait(0.5)
         finally:
-            service.join(spec.grace)
+            joined = _join(service, spec.grace, signals.aborted)
+    if not joined:
+        # A second signal, and the service still finishing: leave now, as a crash would (what it
+        # held is leased or unacknowledged, and taken up again: nothing is lost).
+        spec.say(f"{spec.what} exited before its work in flight finished (second signal)", logging.WARNING)
+        _flush_logs()
+        logging.shutdown()
+        os._exit(0)
     return _exit(service, spec)
+
+
+# After a second signal, how long a service's own abort has to end its join (a worker gives back
+# what it runs within moments) before the process leaves without it.
+ABORT_SECONDS = 1.0
+
+
+def _join(service: Service, grace: float | None, aborted: threading.Event) -> bool:
+    """``service.join(grace)``; False if a second signal came and the join did not end within
+    :data:`ABORT_SECONDS` of it (every service's own threads are daemons: the process may leave)."""
+    failed: list[BaseException] = []
+
+    def join() -> None:
+        try:
+            service.join(grace)
+        except BaseException as error:  # raised in the main thread, as before
+            failed.append(error)
+
+    joiner = threading.Thread(target=join, name="postbox-join", daemon=True)
+    joiner.start()
+    while True:
+        joiner.join(0.05)
+        if not joiner.is_alive():
+            break
+        if aborted.is_set():
+            joiner.join(ABORT_SECONDS)
+            if joiner.is_alive():
+                return False
+            break
+    if failed:
+        raise failed[0]
+    return True
 
 
 def _exit(service: Service, spec: ProcessSpec) -> int:
