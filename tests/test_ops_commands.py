@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 
@@ -122,3 +123,29 @@ headers = { "Authorization" = "Bearer tok-abc-123" }
     assert "max_attempts" in r.stderr
     for secret in ("db-pw-99", "rabbit-pw-42", "tok-abc-123"):
         assert secret not in out
+
+
+def test_status_watch_prints_one_json_object_a_line_and_ctrl_c_ends_it_with_status_0(database):
+    """``status --watch --json`` refreshes until interrupted, one JSON object per refresh; SIGINT
+    (Ctrl-C), whether it lands in the pause or in a query, ends it with status 0 and no traceback.
+    Three interrupts at different moments of the refresh cycle."""
+    for pause in ("0.1", "0.2", "0.3"):
+        p = subprocess.Popen(
+            [sys.executable, "-m", "postbox", "--database-url", database.url, "status", "--watch", "--json",
+             "--interval", pause],
+            cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        )  # fmt: skip
+        try:
+            assert p.stdout is not None
+            for _ in range(3):
+                line = p.stdout.readline()
+                assert "consumers" in json.loads(line)
+            p.send_signal(signal.SIGINT)
+            _, err = p.communicate(timeout=20)
+            assert p.returncode == 0, err
+            assert b"Traceback" not in err and b"Aborted" not in err
+        finally:
+            if p.poll() is None:
+                p.kill()
+                p.wait()

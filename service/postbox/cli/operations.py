@@ -175,19 +175,21 @@ def status(ctx: click.Context, watch: bool, interval: float, as_json: bool) -> N
     url = cli_context.checked_database_url(ctx)
     with psycopg.connect(url, connect_timeout=10, application_name="postbox-status") as conn:
         while True:
-            data = mask_secrets(collect_status(conn))
-            if as_json:
-                click.echo(json.dumps(data, default=str))
-            else:
-                if watch and sys.stdout.isatty():
-                    click.clear()
-                show_status(data)
-            if not watch:
-                return
             try:
+                data = mask_secrets(collect_status(conn))
+                if as_json:
+                    click.echo(json.dumps(data, default=str))
+                else:
+                    if watch and sys.stdout.isatty():
+                        click.clear()
+                    show_status(data)
+                if not watch:
+                    return
                 time.sleep(interval)  # a refresh period for a human, not synchronisation
             except KeyboardInterrupt:
-                return
+                if not watch:
+                    raise
+                return  # watching ends with Ctrl-C, wherever it lands: exit 0
 
 
 # --- postbox config check ---------------------------------------------------------------------
