@@ -31,15 +31,20 @@ def start(config: Path, url: str, *args: str, log: Path) -> subprocess.Popen[byt
         return spawn_postbox("--config", str(config), "--database-url", url, *args, stderr=out.fileno())
 
 
-def stop(p: subprocess.Popen[bytes]) -> int:
-    if p.poll() is None:
-        p.send_signal(signal.SIGTERM)
+def ended(p: subprocess.Popen[bytes], timeout: float) -> int:
+    """The exit status of ``p`` within ``timeout`` seconds (killed if it is still running then)."""
     try:
-        return p.wait(20)
+        return p.wait(timeout)
     finally:
         if p.poll() is None:
             p.kill()
             p.wait()
+
+
+def stop(p: subprocess.Popen[bytes]) -> int:
+    if p.poll() is None:
+        p.send_signal(signal.SIGTERM)
+    return ended(p, 20)
 
 
 def test_the_files_log_format_and_connect_timeout_apply_to_a_process_without_those_flags(database, tmp_path):
@@ -51,7 +56,7 @@ def test_the_files_log_format_and_connect_timeout_apply_to_a_process_without_tho
     proxy.down()
     log = tmp_path / "worker.log"
     p = start(config, url, *WORKER, log=log)
-    assert stop_when_done(p) == 1
+    assert ended(p, 30) == 1
     lines = [line for line in log.read_text().splitlines() if line.strip()]
     assert any("gave up after" in line for line in lines), lines
     assert not any(line.lstrip().startswith("{") for line in lines), lines
@@ -69,19 +74,9 @@ def test_a_flag_outranks_the_file(database, tmp_path):
             "--config", str(config), "--database-url", url, "--log-format", "json",
             *WORKER, "--connect-timeout", "0.5", stderr=out.fileno(),
         )  # fmt: skip
-    assert stop_when_done(p) == 1
+    assert ended(p, 30) == 1
     lines = [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
     assert any("gave up after" in entry["msg"] for entry in lines), lines
-
-
-def stop_when_done(p: subprocess.Popen[bytes]) -> int:
-    """The exit status of a process expected to end by itself within 30 s."""
-    try:
-        return p.wait(30)
-    finally:
-        if p.poll() is None:
-            p.kill()
-            p.wait()
 
 
 @pytest.mark.parametrize(("flags", "expected"), [((), 3), (("--concurrency", "1"), 1)])

@@ -10,6 +10,7 @@ import subprocess
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import psycopg
 import pytest
@@ -45,17 +46,23 @@ def silent_webhook() -> Iterator[tuple[int, threading.Event]]:
             conn.close()
 
 
-def test_a_second_signal_exits_a_relay_at_once_and_its_row_stays_in_the_outbox(
-    database, tmp_path, monkeypatch, silent_webhook
-):
-    port, accepted = silent_webhook
+def slow_destination(url: str, tmp_path: Path, port: int) -> Path:
+    """A configuration whose destination ``slow`` is the silent webhook, and a row for it (``held``)."""
     config = tmp_path / "postbox.toml"
     config.write_text(
         f'[destinations.slow]\nkind = "http"\nurl = "http://127.0.0.1:{port}/hook"\ntimeout = 600\n'
     )
-    with psycopg.connect(database.url) as c:
+    with psycopg.connect(url) as c:
         postbox.publish(c, destination="slow", payload={"n": 1}, message_id="held")
         c.commit()
+    return config
+
+
+def test_a_second_signal_exits_a_relay_at_once_and_its_row_stays_in_the_outbox(
+    database, tmp_path, monkeypatch, silent_webhook
+):
+    port, accepted = silent_webhook
+    config = slow_destination(database.url, tmp_path, port)
     monkeypatch.setenv("POSTBOX_LOG_LEVEL", "info")  # the stopping lines are at level info
     log = tmp_path / "relay.log"
     with open(log, "wb") as out:
@@ -85,13 +92,7 @@ def test_one_signal_still_lets_the_batch_in_flight_finish_within_the_grace_perio
 ):
     """The first signal alone: the relay waits for its batch up to --grace-period, then exits 0."""
     port, accepted = silent_webhook
-    config = tmp_path / "postbox.toml"
-    config.write_text(
-        f'[destinations.slow]\nkind = "http"\nurl = "http://127.0.0.1:{port}/hook"\ntimeout = 600\n'
-    )
-    with psycopg.connect(database.url) as c:
-        postbox.publish(c, destination="slow", payload={"n": 1}, message_id="held")
-        c.commit()
+    config = slow_destination(database.url, tmp_path, port)
     p: subprocess.Popen[bytes] = spawn_postbox(
         "--config", str(config), "--database-url", database.url, "relay", "--destination", "slow",
         "--grace-period", "1",
