@@ -22,6 +22,7 @@ from postbox.outbox.transports.rabbitmq import RabbitMQTransport
 from postbox.outbox.transports.redis import RedisStreamsTransport
 from tests.checker import terminate_backends
 from tests.helpers import FAST_WORKER, eventually, scalar, spawn_postbox
+from tests.proxy import Proxy
 from tests.test_transports import arrived_by_key
 
 
@@ -285,3 +286,35 @@ def test_bridge_started_while_its_database_refuses_connections_waits_and_then_br
         if thread.ident is not None:  # started
             thread.join(timeout=30)
     assert not thread.is_alive()
+
+
+def test_a_bridge_whose_broker_goes_away_exits_70_for_its_supervisor(database, tmp_path):
+    """The broker's connection cut under a running `postbox bridge`: the process stops, fatal, with
+    exit status 70 (for its supervisor to start it again) and one line saying why, no traceback."""
+    proxy = Proxy("127.0.0.1", 5672)
+    log = tmp_path / "bridge.log"
+    queue = f"bridge-fatal-{uuid.uuid4().hex[:8]}"
+    t = RabbitMQTransport("amqp://guest:guest@127.0.0.1:5672/%2F", queue)
+    try:
+        t.publish(rows(1, 1))
+    finally:
+        t.close()
+    with open(log, "wb") as out:
+        p = spawn_postbox(
+            "--database-url", database.url, "bridge", "--from", f"amqp://guest:guest@127.0.0.1:{proxy.port}/%2F",
+            "--name", queue, "--consumer", "orders", stderr=out.fileno(),
+        )  # fmt: skip
+    try:
+        eventually(
+            lambda: scalar(database.url, "SELECT count(*) FROM postbox.inbox WHERE consumer = 'orders'") == 1,
+            what="the bridge bridging",
+        )
+        proxy.down()
+        assert p.wait(60) == 70, log.read_text()
+    finally:
+        proxy.down()
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    text = log.read_text()
+    assert "bridge stopped:" in text and "Traceback" not in text
