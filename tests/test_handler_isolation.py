@@ -15,6 +15,8 @@ import pytest
 import postbox
 from tests.helpers import EFFECTS_DDL, eventually, scalar, spawn_postbox
 from tests.proxy import database_proxy
+from tests.test_metrics_endpoint import request
+from tests.test_observability import free_port
 
 TIMEOUT = 1.0
 # What a key may wait past a stuck handler's time limit: the cancel, ABANDON_AFTER, the new slot.
@@ -218,6 +220,32 @@ def test_sigterm_stops_within_the_grace_period_whatever_the_handler_does(db):
     )
     assert [a[:3] for a in attempts(db.url, "slow")] == [(1, "transient", "WorkerShutdown")]
     assert scalar(db.url, "SELECT count(*) FROM postbox.workers") == 0
+
+
+def test_readiness_says_stopping_while_in_flight_messages_finish(db, monkeypatch):
+    """SIGTERM while a handler runs (2 s): until the process exits, /readyz answers 503 "not ready:
+    stopping" (a load balancer takes it out); the message finishes within the grace period and
+    the process exits 0."""
+    port = free_port()
+    monkeypatch.setenv("POSTBOX_METRICS_PORT", str(port))
+    produce(db.url, ("draining", {"do": "sleep", "seconds": 2}))
+    p = spawn(db.url, "--grace-period", "30", "--handler-timeout", "60")
+    try:
+        eventually(
+            lambda: (
+                scalar(db.url, "SELECT state FROM postbox.inbox WHERE message_id = 'draining'") == "running"
+            )
+        )
+        assert request(port, "/readyz").status == 200
+        p.send_signal(signal.SIGTERM)
+        stopping = eventually(lambda: request(port, "/readyz").status == 503, what="not ready")
+        assert stopping and request(port, "/readyz").body == b"not ready: stopping\n"
+        assert p.poll() is None  # still finishing its message
+        assert p.wait(30) == 0
+    finally:
+        stop(p)
+    # Its effects, the one after the sleep included, committed with its done mark.
+    assert effects(db.url) == {"draining": [1], "draining:late": [1]} and live(db.url) == 0
 
 
 def test_a_second_signal_exits_at_once(db):
