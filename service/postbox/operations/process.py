@@ -213,7 +213,7 @@ def run_process(service: Service, spec: ProcessSpec) -> int:
 
 # After a second signal, how long a service's own abort has to end its join (a worker gives back
 # what it runs within moments) before the process leaves without it.
-ABORT_SECONDS = 1.0
+ABORT_SECONDS = 2.0
 
 
 def _join(service: Service, grace: float | None, aborted: threading.Event) -> bool:
