@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import inspect
 import os
 import re
 import signal
@@ -334,6 +335,8 @@ registry.listeners.append(_listener)
 # The same handler declared database_only (F6 with a shared savepoint): the neighbours of a batch
 # share one savepoint, and a failure runs the ones before it again. Its effects and outbox events
 # all go through ctx.conn; the misbehaviour log is the harness's record, not an effect.
+# (The previous release's workers of F7 import this module too, and it has no database_only.)
 shared_registry = Registry()
-shared_registry.add(handle, CONSUMER, retry=POLICY, on_dead_letter="skip", database_only=True)
+if "database_only" in inspect.signature(Registry.add).parameters:
+    shared_registry.add(handle, CONSUMER, retry=POLICY, on_dead_letter="skip", database_only=True)
 shared_registry.listeners.append(_listener)
