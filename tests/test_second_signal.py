@@ -1,6 +1,7 @@
-"""A second SIGTERM exits at once, whatever the process is waiting for: here a relay whose batch in
-flight waits on a webhook that never answers, with a grace period of a minute. The row it held is
-not lost: it is still in the outbox, published again once its lease runs out."""
+"""A second SIGTERM or SIGINT exits at once, whatever the process is waiting for: here a relay whose
+batch in flight waits on a webhook that never answers, with a grace period of a minute. The row it
+held is not lost: it is still in the outbox, published again once its lease runs out. SIGINT (Ctrl-C
+in a terminal) is taken exactly as SIGTERM is, never as a KeyboardInterrupt's traceback."""
 
 from __future__ import annotations
 
@@ -58,8 +59,12 @@ def slow_destination(url: str, tmp_path: Path, port: int) -> Path:
     return config
 
 
+STOP_SIGNALS = pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+
+
+@STOP_SIGNALS
 def test_a_second_signal_exits_a_relay_at_once_and_its_row_stays_in_the_outbox(
-    database, tmp_path, monkeypatch, silent_webhook
+    database, tmp_path, monkeypatch, silent_webhook, sig
 ):
     port, accepted = silent_webhook
     config = slow_destination(database.url, tmp_path, port)
@@ -72,10 +77,10 @@ def test_a_second_signal_exits_a_relay_at_once_and_its_row_stays_in_the_outbox(
         )  # fmt: skip
     try:
         assert accepted.wait(30), log.read_text()
-        p.send_signal(signal.SIGTERM)
+        p.send_signal(sig)
         eventually(lambda: "relay stopping" in log.read_text(), what="the first signal taken")
         started = time.monotonic()
-        p.send_signal(signal.SIGTERM)
+        p.send_signal(sig)
         assert p.wait(10) == 0
         assert time.monotonic() - started < 3.0
     finally:
@@ -87,24 +92,28 @@ def test_a_second_signal_exits_a_relay_at_once_and_its_row_stays_in_the_outbox(
     assert scalar(database.url, "SELECT count(*) FROM postbox.outbox WHERE message_id = 'held'") == 1
 
 
+@STOP_SIGNALS
 def test_one_signal_still_lets_the_batch_in_flight_finish_within_the_grace_period(
-    database, tmp_path, monkeypatch, silent_webhook
+    database, tmp_path, monkeypatch, silent_webhook, sig
 ):
     """The first signal alone: the relay waits for its batch up to --grace-period, then exits 0."""
     port, accepted = silent_webhook
     config = slow_destination(database.url, tmp_path, port)
-    p: subprocess.Popen[bytes] = spawn_postbox(
-        "--config", str(config), "--database-url", database.url, "relay", "--destination", "slow",
-        "--grace-period", "1",
-    )  # fmt: skip
+    log = tmp_path / "relay.log"
+    with open(log, "wb") as out:
+        p: subprocess.Popen[bytes] = spawn_postbox(
+            "--config", str(config), "--database-url", database.url, "relay", "--destination", "slow",
+            "--grace-period", "1", stderr=out.fileno(),
+        )  # fmt: skip
     try:
         assert accepted.wait(30)
         started = time.monotonic()
-        p.send_signal(signal.SIGTERM)
+        p.send_signal(sig)
         assert p.wait(15) == 0
         assert 0.9 <= time.monotonic() - started < 1.0 + 5.0
     finally:
         if p.poll() is None:
             p.kill()
             p.wait()
+    assert "Traceback" not in log.read_text()
     assert scalar(database.url, "SELECT count(*) FROM postbox.outbox WHERE message_id = 'held'") == 1
