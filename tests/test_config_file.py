@@ -58,7 +58,9 @@ def test_the_files_log_format_and_connect_timeout_apply_to_a_process_without_tho
     p = start(config, url, *WORKER, log=log)
     assert ended(p, 30) == 1
     lines = [line for line in log.read_text().splitlines() if line.strip()]
-    assert any("gave up after" in line for line in lines), lines
+    assert any(
+        "gave up after" in line and "connect_timeout = 1 in the configuration file" in line for line in lines
+    ), lines
     assert not any(line.lstrip().startswith("{") for line in lines), lines
 
 

@@ -142,12 +142,15 @@ def _check_schema(what: str) -> Callable[[str], str | None]:
 
 
 def _spec(ctx: click.Context, what: str, url: str, connect_timeout: float | None, **kw: Any) -> ProcessSpec:
+    source = "--connect-timeout {:g}"
     if connect_timeout is None:  # no --connect-timeout: [postbox] connect_timeout, else no limit
         connect_timeout = settings(ctx).connect_timeout
+        source = "connect_timeout = {:g} in the configuration file"
     return ProcessSpec(
         what=what,
         url=url,
         connect_timeout=connect_timeout,
+        connect_timeout_source=source,
         serve=lambda ready: serve_metrics(ctx, settings(ctx), url, ready),
         check_schema=_check_schema(what),
         **kw,

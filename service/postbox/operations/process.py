@@ -86,6 +86,7 @@ class ProcessSpec:
     what: str
     url: str
     connect_timeout: float | None = None
+    connect_timeout_source: str = "--connect-timeout {:g}"  # how the give-up message names it
     grace: float | None = None
     stop_message: str = "stopping"
     before_start: Callable[[], None] | None = None
@@ -143,7 +144,13 @@ def await_database(spec: ProcessSpec, stopping: threading.Event) -> bool:
     """Wait for the database (``connect_timeout``), then check its schema; False if ``stopping``
     was set meanwhile."""
     try:
-        reached = wait_for_database(spec.url, what=spec.what, timeout=spec.connect_timeout, stopping=stopping)
+        reached = wait_for_database(
+            spec.url,
+            what=spec.what,
+            timeout=spec.connect_timeout,
+            timeout_source=spec.connect_timeout_source,
+            stopping=stopping,
+        )
     except DatabaseUnreachable as error:
         raise StartupFailed(f"{spec.what}: cannot reach the database: {error}") from None
     if not reached:

@@ -38,13 +38,15 @@ def wait_for_database(
     *,
     what: str,
     timeout: float | None = None,
+    timeout_source: str = "--connect-timeout {:g}",
     stopping: threading.Event | None = None,
     rng: random.Random | None = None,
 ) -> bool:
     """Wait until the database answers, retrying with jittered backoff (0.5 s doubling up to 10 s)
     and logging each failed try: a process started while its database is down or still starting
     waits for it instead of exiting. Returns False if ``stopping`` was set meanwhile; raises
-    :class:`DatabaseUnreachable` once ``timeout`` seconds (None: no limit) have passed."""
+    :class:`DatabaseUnreachable` once ``timeout`` seconds (None: no limit) have passed, naming
+    the setting as ``timeout_source`` formats it with the timeout (a flag, or the file's setting)."""
     from postbox.config.settings import mask_url
 
     rng = rng or random.Random()
@@ -69,7 +71,7 @@ def wait_for_database(
             waited = time.monotonic() - started
             if timeout is not None and waited >= timeout:
                 raise DatabaseUnreachable(
-                    f"gave up after {waited:.0f} s and {tries} tries (--connect-timeout {timeout:g}): {detail}"
+                    f"gave up after {waited:.0f} s and {tries} tries ({timeout_source.format(timeout)}): {detail}"
                 ) from None
             pause = backoff + rng.uniform(0, backoff / 2)
             if timeout is not None:
