@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
+
+import click
 
 from postbox._version import __version__
 from tests.checker import REPO
@@ -99,6 +103,48 @@ def test_every_option_can_come_from_the_environment_and_help_says_which(database
         },
     )
     assert r.returncode == 2 and "no handler for consumer 'other'" in r.stderr
+
+
+def _options(
+    command: click.Command, path: tuple[str, ...] = ()
+) -> Iterator[tuple[tuple[str, ...], click.Option]]:
+    for param in command.params:
+        if isinstance(param, click.Option) and param.name not in ("help", "version"):
+            yield path, param
+    if isinstance(command, click.Group):
+        for name, sub in command.commands.items():
+            yield from _options(sub, (*path, name))
+
+
+def test_every_options_variable_is_named_after_its_flag_as_documented():
+    """POSTBOX_<COMMAND>_<OPTION> after the option's long flag, whatever the option's name in the
+    code (``--sql`` of ``migrate``: POSTBOX_MIGRATE_SQL, not only POSTBOX_MIGRATE_AS_SQL)."""
+    from postbox.cli.root import cli
+
+    missing = []
+    for path, option in _options(cli):
+        envvar = option.envvar
+        names = [envvar] if isinstance(envvar, str) else list(envvar or ())
+        if names == ["POSTBOX_CONNECT_TIMEOUT"]:  # names its own, shared by every long-running command
+            continue
+        flag = max((o for o in option.opts if o.startswith("--")), key=len)[2:]
+        expected = "_".join(["POSTBOX", *path, flag]).upper().replace("-", "_")
+        if expected not in names:
+            missing.append((" ".join(path), flag, names))
+    assert not missing, missing
+
+
+def test_an_option_set_through_its_documented_variable_applies(empty_database, database):
+    """``POSTBOX_MIGRATE_SQL=1 postbox migrate`` prints the DDL and leaves the database alone (it
+    used to be ignored, so the migration ran); ``POSTBOX_STATUS_JSON=1`` prints JSON; the variable
+    --help named before (after the option's name in the code) is still read."""
+    for variable in ("POSTBOX_MIGRATE_SQL", "POSTBOX_MIGRATE_AS_SQL"):
+        r = postbox("--database-url", empty_database.url, "migrate", env={variable: "1"})
+        assert r.returncode == 0 and "CREATE TABLE postbox.inbox" in r.stdout, (variable, r.stderr)
+        with empty_database.connect() as c:
+            assert c.execute("SELECT to_regnamespace('postbox')").fetchone()[0] is None, variable
+    r = postbox("--database-url", database.url, "status", env={"POSTBOX_STATUS_JSON": "1"})
+    assert r.returncode == 0 and isinstance(json.loads(r.stdout), dict), r.stdout
 
 
 def test_app_modules_are_found_in_the_current_directory(tmp_path, database):

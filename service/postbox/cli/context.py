@@ -109,7 +109,7 @@ def connect_timeout_option(f: Callable[..., None]) -> Callable[..., None]:
         default=None,
         envvar="POSTBOX_CONNECT_TIMEOUT",
         help="Seconds to wait at start for an unreachable database, retrying with backoff, before "
-        "giving up (default: wait as long as it takes). [env: POSTBOX_CONNECT_TIMEOUT]",
+        "giving up (default: wait as long as it takes).",
     )(f)
 
 

@@ -214,16 +214,28 @@ register_ops_commands(cli)
 
 
 def _show_envvars(command: click.Command, prefix: str) -> None:
-    """Every option can also come from an environment variable (POSTBOX_<COMMAND>_<OPTION> unless
-    it names its own): say which one in --help."""
+    """Every option can also come from an environment variable, POSTBOX_<COMMAND>_<OPTION> after
+    its long flag (``--sql`` of ``migrate``: POSTBOX_MIGRATE_SQL), unless it names its own: say
+    which in --help. Where the flag and the option's name in the code differ (``--sql``, ``as_sql``),
+    the variable after the code's name is read too, after the flag's: --help named that one once."""
     for param in command.params:
         if isinstance(param, click.Option) and param.name not in ("help", "version"):
             param.show_envvar = True
-            if param.envvar is None:
-                param.envvar = f"{prefix}_{param.name.upper()}" if param.name else None
+            if param.envvar is None and param.name:
+                names = [f"{prefix}_{_flag_name(param)}", f"{prefix}_{param.name.upper()}"]
+                param.envvar = names[0] if names[0] == names[1] else names
     if isinstance(command, click.Group):
         for name, sub in command.commands.items():
             _show_envvars(sub, f"{prefix}_{name.upper().replace('-', '_')}")
+
+
+def _flag_name(option: click.Option) -> str:
+    """The option's longest long flag, as an environment variable's suffix (``--grace-period``:
+    GRACE_PERIOD); its name in the code if it has none."""
+    flags = [o for o in option.opts if o.startswith("--")]
+    if not flags:
+        return (option.name or "").upper()
+    return max(flags, key=len)[2:].upper().replace("-", "_")
 
 
 _show_envvars(cli, "POSTBOX")
