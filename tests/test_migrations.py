@@ -166,6 +166,23 @@ def test_an_unknown_revision_is_refused_by_name(empty_database):
         assert "Traceback" not in result.stderr
 
 
+def test_migrate_and_downgrade_of_a_release_that_is_behind_the_schema_say_so_without_a_traceback(database):
+    """A schema a newer release migrated (here a revision this Postbox does not ship): this release's
+    ``migrate`` (an older image's migrate job in a rolling deploy) has nothing to do and exits 0,
+    leaving it as it is; its ``downgrade`` cannot undo a revision it does not know, and says which
+    release can (exit 1). Both used to end in alembic's traceback."""
+    with psycopg.connect(database.url, autocommit=True) as c:
+        c.execute("UPDATE postbox.alembic_version SET version_num = '9999'")
+    up = _postbox(database.url, "migrate")
+    assert up.returncode == 0, up.stderr
+    assert f"schema at 9999 is newer than this postbox ({SCHEMA_REVISION}): nothing to migrate" in up.stderr
+    down = _postbox(database.url, "downgrade", "0012")
+    assert down.returncode == 1 and "with the release that made 9999" in down.stderr, down.stderr
+    for result in (up, down):
+        assert "Traceback" not in result.stderr, result.stderr
+    assert migrate.current_revision(database.url) == "9999"
+
+
 def test_downgrade_to_base_refuses_to_delete_data_unless_forced_and_removes_the_schema(database):
     """`postbox downgrade base` on a database holding messages says what would be lost and refuses;
     with --force it removes everything Postbox made, schema included."""

@@ -122,6 +122,14 @@ def migrate(
             f"postbox: {mask_url(url)} is up to date (revision {migrations.current_revision(url)})", err=True
         )
         return
+    newer = migrations.newer_revision(url)
+    if newer is not None:  # a previous release's migrate in a rolling deploy: nothing to do, no error
+        click.echo(
+            f"postbox: schema at {newer} is newer than this postbox ({known[-1]}): nothing to migrate; "
+            "it keeps working with the versioned functions of its release",
+            err=True,
+        )
+        return
     with progress_bar("migrate") as bar:
         if bar.live:
             bar.update(total=_pending(url, revision, known))
@@ -157,6 +165,12 @@ def downgrade(ctx: click.Context, revision: str, force: bool) -> None:
     if revision not in ("base", *known):
         raise click.ClickException(f"unknown revision {revision!r}: this postbox ships {', '.join(known)}")
     url = _url(ctx)
+    newer = migrations.newer_revision(url)
+    if newer is not None:
+        raise click.ClickException(
+            f"schema at {newer} is newer than this postbox ({known[-1]}), which cannot undo it: downgrade to "
+            f"{known[-1]} with the release that made {newer} (its `postbox downgrade {known[-1]}`), then with this one"
+        )
     if revision == "base":
         at_risk = migrations.data_at_risk(url)
         if at_risk and not force:

@@ -121,6 +121,13 @@ def schema_problem(url: str) -> str | None:
     return f"schema at {current}, this postbox needs {head}: run 'postbox migrate'"
 
 
+def newer_revision(url: str) -> str | None:
+    """The database's revision if this Postbox does not know it (a newer release migrated it),
+    else None."""
+    current = _database_revision(url)
+    return current if current is not None and current not in known_revisions() else None
+
+
 def check_schema(url: str) -> str | None:
     """Raise :class:`SchemaNotReady` if the schema must be migrated first; return a warning line if
     the schema is newer than this Postbox (it keeps working), else None."""
