@@ -125,6 +125,29 @@ headers = { "Authorization" = "Bearer tok-abc-123" }
         assert secret not in out
 
 
+def test_config_check_refuses_a_deduplication_window_shorter_than_the_files_retries_as_a_worker_would(
+    tmp_path,
+):
+    """A window shorter than the longest retry horizon plus the replay window: config check says so
+    and exits 1, as a worker started with the file refuses it (config check said it was valid). A
+    consumer's longer retries in the file count too."""
+    config = tmp_path / "postbox.toml"
+    config.write_text("[postbox]\ndedup_retention_seconds = 100\n")
+    r = run_postbox("--config", str(config), "config", "check")
+    assert r.returncode == 1 and "dedup_retention_seconds (100) is shorter than" in r.stderr, r.stderr
+    assert "configuration is valid" not in r.stderr
+    # Long enough for the default retries, not for the file's consumer that retries for 30 days.
+    config.write_text(
+        "[postbox]\ndedup_retention_seconds = 604800\nreplay_window_seconds = 86400\n"
+        "[consumers.billing]\nretry = { max_attempts = 100, max_delay = 86400, max_total_seconds = 2592000 }\n"
+    )
+    r = run_postbox("--config", str(config), "config", "check")
+    assert r.returncode == 1 and "dedup_retention_seconds (604800) is shorter than" in r.stderr, r.stderr
+    config.write_text("[postbox]\ndedup_retention_seconds = 604800\n")
+    r = run_postbox("--config", str(config), "config", "check")
+    assert r.returncode == 0 and "configuration is valid" in r.stderr, r.stderr
+
+
 def test_status_watch_prints_one_json_object_a_line_and_ctrl_c_ends_it_with_status_0(database):
     """``status --watch --json`` refreshes until interrupted, one JSON object per refresh; SIGINT
     (Ctrl-C), whether it lands in the pause or in a query, ends it with status 0 and no traceback.

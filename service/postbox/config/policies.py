@@ -61,6 +61,7 @@ __all__ = [
     "TypePolicy",
     "apply_policies",
     "build_transports",
+    "check_file_retention",
     "check_retention",
     "configured_handlers",
     "load_policies",
@@ -179,6 +180,19 @@ def check_retention(config: PoliciesConfig, registry: Registry, default: RetryPo
     a redelivery after that could be taken for a new message."""
     policies = [default, *registry.retry_policies.values()]
     policies += [s.retry for s in registry.handlers.values() if s.retry is not None]
+    _check_horizon(config, policies)
+
+
+def check_file_retention(config: PoliciesConfig) -> None:
+    """:func:`check_retention` for what the file alone says (``config check``, without the
+    handlers' code): the default retry policy and the file's, of every consumer and type."""
+    policies = [RetryPolicy()]
+    for consumer in config.consumers.values():
+        policies += [consumer.retry_policy(t) for t in (None, *consumer.types)]
+    _check_horizon(config, policies)
+
+
+def _check_horizon(config: PoliciesConfig, policies: list[RetryPolicy]) -> None:
     horizon = max(p.horizon_seconds() for p in policies)
     needed = horizon + config.replay_window_seconds
     if config.dedup_retention_seconds < needed:
