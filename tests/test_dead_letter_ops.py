@@ -325,6 +325,33 @@ def test_cli_lists_groups_shows_explains_and_replays(blocked):
     ]
 
 
+def test_cli_discard_and_resolve_refuse_what_they_cannot_close_and_do_nothing(blocked):
+    """An id that does not exist, one that is not open, or a selection that matches no open dead
+    letter: exit 1 with a line saying so, nothing closed and nothing audited (they said "0 dead
+    letter(s) discarded" and exited 0). A mix of open and unknown ids closes none of them."""
+    url = blocked.url
+    s1, s2 = (r["id"] for r in json.loads(cli(url, "dlq", "list", "--queue", "stock", "--json").stdout))
+    assert cli(url, "dlq", "resolve", "--id", str(s1), "--reason", "by hand").returncode == 0
+    for args, said in (
+        (("discard", "--id", "999999"), "dead letter 999999 does not exist"),
+        (("discard", "--id", str(s2), "--id", "999999"), "dead letter 999999 does not exist"),
+        (
+            ("resolve", "--id", str(s1)),
+            f"dead letter {s1} is resolved: only open dead letters can be resolved",
+        ),
+        (("discard", "--key", "nosuch"), "no open dead letter matches: nothing was discarded"),
+        (("resolve", "--key", "s1"), "no open dead letter matches: nothing was resolved"),
+    ):
+        result = cli(url, "dlq", *args, "--reason", "x")
+        assert result.returncode == 1 and said in result.stderr, (args, result.stderr)
+        assert "Traceback" not in result.stderr
+    assert scalar(url, "SELECT status FROM postbox.dead_letters WHERE id = %s", (s2,)) == "open"
+    assert (
+        scalar(url, "SELECT count(*) FROM postbox.audit_log WHERE action IN ('dlq_discard', 'dlq_resolve')")
+        == 1
+    )
+
+
 def test_cli_refuses_bad_input_cleanly(blocked):
     """Unknown jobs, bad JSON payloads and bad options end with one clear line, never a traceback."""
     url = blocked.url

@@ -160,6 +160,7 @@ def _closing(action: Callable[..., list[dict[str, Any]]], verb: str) -> Callable
         flt = dead_letter_filter(kw)
         require_selection(flt, everything)
         with connection(ctx) as conn:
+            _check_closable(conn, flt, verb)
             rows = action(conn, flt, reason, actor)
         if as_json:
             emit_json(rows)
@@ -167,8 +168,34 @@ def _closing(action: Callable[..., list[dict[str, Any]]], verb: str) -> Callable
             for r in rows:
                 click.echo(f"dead letter {r['dead_letter_id']} {verb}: {r['action']}")
             click.echo(f"{len(rows)} dead letter(s) {verb}")
+        missed = sorted(set(flt.ids or ()) - {r["dead_letter_id"] for r in rows})
+        if missed:  # open when checked, closed or sent back by someone else since
+            raise click.ClickException(f"{_named(missed)} no longer open: not {verb}")
 
     return command
+
+
+def _check_closable(conn: Any, flt: deadletter.DeadLetterFilter, verb: str) -> None:
+    """Refuse, before anything is done (or audited), dead letters given by id that do not exist or
+    are not open, and a selection that matches no open dead letter."""
+    if flt.ids:
+        found = deadletter.select(conn, flt.model_copy(update={"status": "any"}), limit=len(flt.ids))
+        status = {r["id"]: r["status"] for r in found}
+        unknown = sorted(set(flt.ids) - set(status))
+        if unknown:
+            raise click.ClickException(f"{_named(unknown)} {'does' if len(unknown) == 1 else 'do'} not exist")
+        closed = sorted(i for i in set(flt.ids) if status[i] != "open")
+        if closed:
+            which = ", ".join(f"{i} is {status[i]}" for i in closed)
+            raise click.ClickException(
+                f"dead letter {which}: only open dead letters can be {verb}; nothing was {verb}"
+            )
+    if not deadletter.select(conn, flt, limit=1):
+        raise click.ClickException(f"no open dead letter matches: nothing was {verb}")
+
+
+def _named(ids: list[int]) -> str:
+    return f"dead letter {ids[0]}" if len(ids) == 1 else f"dead letters {', '.join(map(str, ids))}"
 
 
 dlq.command("discard", help="Discard open dead letters, with a reason; keys they blocked go on.")(
