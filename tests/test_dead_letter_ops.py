@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+from datetime import datetime
 
 import psycopg
 import pytest
@@ -350,6 +351,17 @@ def test_cli_discard_and_resolve_refuse_what_they_cannot_close_and_do_nothing(bl
         scalar(url, "SELECT count(*) FROM postbox.audit_log WHERE action IN ('dlq_discard', 'dlq_resolve')")
         == 1
     )
+
+
+def test_cli_json_gives_every_timestamp_in_iso_8601_nested_ones_too(blocked):
+    """``dlq show --json``: a payload edit's ``edited_at`` as ``dead_lettered_at`` is, ISO 8601 with
+    its ``T`` (it was the database's text form, with a space)."""
+    url = blocked.url
+    s1 = json.loads(cli(url, "dlq", "list", "--queue", "stock", "--json").stdout)[0]["id"]
+    assert cli(url, "dlq", "edit", str(s1), "--payload", '{"n": 1}', "--reason", "fix").returncode == 0
+    shown = json.loads(cli(url, "dlq", "show", str(s1), "--json").stdout)
+    for stamp in (shown["dead_lettered_at"], shown["edits"][0]["edited_at"]):
+        assert datetime.fromisoformat(stamp).tzinfo is not None and "T" in stamp, stamp
 
 
 def test_cli_refuses_bad_input_cleanly(blocked):
