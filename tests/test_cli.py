@@ -147,6 +147,23 @@ def test_an_option_set_through_its_documented_variable_applies(empty_database, d
     assert r.returncode == 0 and isinstance(json.loads(r.stdout), dict), r.stdout
 
 
+def test_a_wrong_app_is_named_with_what_to_do(database):
+    """--app naming an attribute the module lacks, something not a Registry, or a Registry without a
+    handler for the consumer: each says which, exit 2 (the first two said "is not a Registry", the
+    last "give --app" although it was given)."""
+    for app, said in (
+        ("tests.apps.basic:nosuch", "tests.apps.basic has no attribute 'nosuch'"),
+        ("tests.apps.basic:time", "tests.apps.basic:time is a module, not a postbox.Registry"),
+        (
+            "tests.apps.basic:registry",
+            "no handler for consumer 'other' in tests.apps.basic:registry (it has handlers for: ",
+        ),
+    ):
+        r = postbox("--database-url", database.url, "worker", "--consumer", "other", "--app", app)
+        assert r.returncode == 2 and said in r.stderr, (app, r.stderr)
+        assert "Traceback" not in r.stderr
+
+
 def test_app_modules_are_found_in_the_current_directory(tmp_path, database):
     """Like uvicorn and celery, `--app myhandlers:registry` finds myhandlers.py where the command
     runs, without PYTHONPATH (through the installed `postbox` command)."""

@@ -368,7 +368,9 @@ def test_cli_refuses_bad_input_cleanly(blocked):
     """Unknown jobs, bad JSON payloads and bad options end with one clear line, never a traceback."""
     url = blocked.url
     for args, needle in (
-        (("replay", "pause", "999", "--reason", "x"), "999 does not exist"),
+        (("replay", "pause", "999", "--reason", "x"), "Error: replay job 999 does not exist"),
+        (("replay", "status", "999"), "Error: replay job 999 does not exist"),
+        (("dlq", "edit", "999", "--payload", "{}", "--reason", "x"), "Error: dead letter 999 does not exist"),
         (("dlq", "edit", "1", "--payload", "{nope", "--reason", "x"), "not JSON"),
         (("dlq", "replay", "--queue", "stock", "--rate", "0", "--reason", "x"), "rate"),
         (("dlq", "replay", "--queue", "nobody", "--reason", "x"), "matches no open dead letter"),

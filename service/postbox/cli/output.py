@@ -52,9 +52,15 @@ def connection(ctx: click.Context) -> Iterator[psycopg.Connection[Any]]:
         ) as conn:
             yield conn
     except InvalidRequest as error:
-        raise click.ClickException(str(error)) from None
+        label = _OBJECTS.get(error.field)  # "dead letter 9 does not exist", not "dead_letter: 9 ..."
+        raise click.ClickException(f"{label} {error.problem}" if label else str(error)) from None
     except (LookupError, psycopg.errors.InsufficientPrivilege) as error:
-        raise click.ClickException(str(error).strip().splitlines()[0]) from None
+        line = str(error).strip().splitlines()[0]
+        raise click.ClickException(line.removeprefix("postbox: ")) from None  # click says "Error: "
+
+
+# The fields of refusals that name an object by its id first ("9 does not exist"), as the CLI names it.
+_OBJECTS = {"dead_letter": "dead letter", "replay_job": "replay job"}
 
 
 def default_actor() -> str:

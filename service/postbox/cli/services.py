@@ -54,16 +54,25 @@ def _load_registry(app: str) -> Registry:
     try:
         module = importlib.import_module(module_name)
     except ImportError as error:
-        searched = ", ".join(p or "." for p in sys.path[:4])
+        others = [p for p in dict.fromkeys(p or "." for p in sys.path) if p not in (cwd, ".")]
+        searched = ", ".join(others[:3]) + (", ..." if len(others) > 3 else "")
         raise click.BadParameter(
-            f"cannot import {module_name}: {error} (searched the current directory {cwd}, then {searched}, ...)",
+            f"cannot import {module_name}: {error} (searched the current directory {cwd}, then {searched})",
             param_hint="--app",
         ) from None
-    obj = getattr(module, attr, None)
+    if not hasattr(module, attr):
+        raise click.BadParameter(
+            f"{module_name} has no attribute {attr!r}: name the Registry your handlers are registered on",
+            param_hint="--app",
+        )
+    obj = getattr(module, attr)
     if callable(obj) and not isinstance(obj, Registry):
         obj = obj()
     if not isinstance(obj, Registry):
-        raise click.BadParameter(f"{app} is not a postbox.inbox.handlers.Registry", param_hint="--app")
+        raise click.BadParameter(
+            f"{app} is a {type(obj).__name__}, not a postbox.Registry (or a function returning one)",
+            param_hint="--app",
+        )
     return obj
 
 
@@ -74,8 +83,14 @@ def _registry(policies: PoliciesConfig, consumer: str, app: str | None) -> Regis
     """The handlers of ``--app`` and the file, with the file's policies applied and checked."""
     registry = configured_handlers(_load_registry(app) if app else Registry(), policies, consumer)
     if consumer not in registry.consumers():
+        if app is None:
+            raise click.UsageError(
+                f"no handler for consumer {consumer!r}: give --app, or declare handlers in --config"
+            )
+        known = ", ".join(repr(c) for c in sorted(registry.consumers())) or "none"
         raise click.UsageError(
-            f"no handler for consumer {consumer!r}: give --app, or declare handlers in --config"
+            f"no handler for consumer {consumer!r} in {app} (it has handlers for: {known}): register one "
+            "for it there, or declare handlers in --config"
         )
     registry = apply_policies(registry, policies)
     check_retention(policies, registry, RetryPolicy())
