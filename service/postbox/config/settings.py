@@ -367,7 +367,10 @@ def load_settings(
     try:
         settings = Settings(**explicit)
     except ValidationError as error:
-        raise ConfigError(f"invalid configuration: {_problems(error, _origins(path, document))}") from None
+        # The retry tables are checked after the rest: their problems are named here too, from the
+        # file as written, so that one run of `config check` shows every problem.
+        problems = [_problems(error, _origins(path, document)), *_document_retry_problems(document)]
+        raise ConfigError(f"invalid configuration: {'; '.join(problems)}") from None
     finally:
         _DOCUMENT.reset(token)
     _check_retry_policies(settings)
@@ -377,20 +380,55 @@ def load_settings(
 
 
 def _check_retry_policies(settings: Settings) -> None:
-    """Every retry table of the policies makes a valid retry policy (named by its path)."""
-    for name, consumer in settings.consumers.items():
-        for type_ in (None, *consumer.types):
-            try:
-                consumer.retry_policy(type_)
-            except ValidationError as error:
-                where = f"consumers.{name}." + (f"types.{type_}." if type_ else "") + "retry."
-                raise ConfigError(f"invalid configuration: {_retry_problems(error, where)}") from None
-    for name, dest in settings.destinations.items():
+    """Every retry table of the policies makes a valid retry policy (each problem named by its path)."""
+    tables = [
+        (f"consumers.{name}." + (f"types.{type_}." if type_ else "") + "retry.", consumer.retry, type_retry)
+        for name, consumer in settings.consumers.items()
+        for type_, type_retry in ((None, None), *((t, p.retry) for t, p in consumer.types.items()))
+    ]
+    tables += [
+        (f"destinations.{name}.retry.", dest.retry, None) for name, dest in settings.destinations.items()
+    ]
+    problems = _retry_table_problems(tables)
+    if problems:
+        raise ConfigError(f"invalid configuration: {'; '.join(problems)}")
+
+
+def _document_retry_problems(document: dict[str, Any] | None) -> list[str]:
+    """The problems of the retry tables of a file as written (its other problems aside)."""
+    tables: list[tuple[str, Any, Any]] = []
+    for section in ("consumers", "destinations"):
+        entries = (document or {}).get(section)
+        for name, entry in (entries if isinstance(entries, dict) else {}).items():
+            if not isinstance(entry, dict):
+                continue
+            tables.append((f"{section}.{name}.retry.", entry.get("retry") or {}, None))
+            types = entry.get("types") if section == "consumers" else None
+            for type_, policy in (types if isinstance(types, dict) else {}).items():
+                if isinstance(policy, dict) and policy.get("retry"):
+                    tables.append(
+                        (f"{section}.{name}.types.{type_}.retry.", entry.get("retry") or {}, policy["retry"])
+                    )
+    return _retry_table_problems(tables)
+
+
+def _retry_table_problems(tables: list[tuple[str, Any, Any]]) -> list[str]:
+    """``(where, retry table, a type's table over it or None)``: what is wrong with each merged."""
+    from postbox.failures.policy import RetryPolicy
+
+    problems = []
+    failed: set[str] = set()  # consumers whose own table is wrong: their types' would say it again
+    for where, base, over in tables:
+        owner = where.split(".types.")[0].removesuffix("retry.").rstrip(".")
+        if not isinstance(base, dict) or not isinstance(over, dict | None) or owner in failed:
+            continue  # not a table (the model's validation names it), or said already
         try:
-            dest.retry_policy()
+            RetryPolicy(**{**base, **(over or {})})
         except ValidationError as error:
-            where = f"destinations.{name}.retry."
-            raise ConfigError(f"invalid configuration: {_retry_problems(error, where)}") from None
+            problems.append(_retry_problems(error, where))
+            if over is None:
+                failed.add(owner)
+    return problems
 
 
 def _retry_problems(error: ValidationError, prefix: str) -> str:
