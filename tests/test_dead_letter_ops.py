@@ -375,7 +375,10 @@ def test_cli_refuses_bad_input_cleanly(blocked):
         (("dlq", "replay", "--queue", "stock", "--rate", "0", "--reason", "x"), "rate"),
         (("dlq", "replay", "--queue", "nobody", "--reason", "x"), "matches no open dead letter"),
         (("dlq", "show", "424242"), "does not exist"),
-        (("keys", "unblock", "stock", "s3", "--reason", "x"), "not blocked"),
+        (
+            ("keys", "unblock", "stock", "s3", "--reason", "x"),
+            "Error: key inbox stock/s3 is not blocked by an open",
+        ),
     ):
         r = cli(url, *args)
         assert r.returncode != 0 and needle in r.stderr, (args, r.stderr)

@@ -60,7 +60,7 @@ def connection(ctx: click.Context) -> Iterator[psycopg.Connection[Any]]:
 
 
 # The fields of refusals that name an object by its id first ("9 does not exist"), as the CLI names it.
-_OBJECTS = {"dead_letter": "dead letter", "replay_job": "replay job"}
+_OBJECTS = {"dead_letter": "dead letter", "replay_job": "replay job", "key": "key"}
 
 
 def default_actor() -> str:
