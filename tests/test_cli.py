@@ -93,7 +93,7 @@ def test_every_option_can_come_from_the_environment_and_help_says_which(database
     bridge's --from URL, which must not be visible in `ps`)."""
     help_text = postbox("worker", "--help").stdout
     assert "POSTBOX_WORKER_CONCURRENCY" in help_text and "POSTBOX_WORKER_HANDLER_TIMEOUT" in help_text
-    assert "POSTBOX_BRIDGE_SOURCE_URL" in postbox("bridge", "--help").stdout
+    assert "POSTBOX_BRIDGE_FROM" in postbox("bridge", "--help").stdout
     r = postbox(
         "worker",
         env={
@@ -145,7 +145,7 @@ def test_config_check_names_every_problem_of_a_file_in_one_run(tmp_path):
 
 def test_every_options_variable_is_named_after_its_flag_as_documented():
     """POSTBOX_<COMMAND>_<OPTION> after the option's long flag, whatever the option's name in the
-    code (``--sql`` of ``migrate``: POSTBOX_MIGRATE_SQL, not only POSTBOX_MIGRATE_AS_SQL)."""
+    code (``--sql`` of ``migrate``: POSTBOX_MIGRATE_SQL, not POSTBOX_MIGRATE_AS_SQL)."""
     from postbox.cli.root import cli
 
     missing = []
@@ -172,6 +172,8 @@ def test_an_option_set_through_its_documented_variable_applies(empty_database, d
             assert c.execute("SELECT to_regnamespace('postbox')").fetchone()[0] is None, variable
     r = postbox("--database-url", database.url, "status", env={"POSTBOX_STATUS_JSON": "1"})
     assert r.returncode == 0 and isinstance(json.loads(r.stdout), dict), r.stdout
+    shown = postbox("migrate", "--help").stdout
+    assert "POSTBOX_MIGRATE_SQL" in shown and "POSTBOX_MIGRATE_AS_SQL" not in shown  # read, not shown
 
 
 def test_a_wrong_app_is_named_with_what_to_do(database):

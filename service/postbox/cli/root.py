@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -227,17 +228,23 @@ for command in (worker, relay, bridge, dlq, replay_group, keys, consumer, consol
 register_ops_commands(cli)
 
 
+# Variables named after an option's name in the code rather than its flag (POSTBOX_MIGRATE_AS_SQL for
+# --sql), as --help showed them until 0.14.0: still read, as the flag's variable (see main), unshown.
+_LEGACY_ENVVARS: dict[str, str] = {}
+
+
 def _show_envvars(command: click.Command, prefix: str) -> None:
     """Every option can also come from an environment variable, POSTBOX_<COMMAND>_<OPTION> after
     its long flag (``--sql`` of ``migrate``: POSTBOX_MIGRATE_SQL), unless it names its own: say
-    which in --help. Where the flag and the option's name in the code differ (``--sql``, ``as_sql``),
-    the variable after the code's name is read too, after the flag's: --help named that one once."""
+    which in --help."""
     for param in command.params:
         if isinstance(param, click.Option) and param.name not in ("help", "version"):
             param.show_envvar = True
             if param.envvar is None and param.name:
-                names = [f"{prefix}_{_flag_name(param)}", f"{prefix}_{param.name.upper()}"]
-                param.envvar = names[0] if names[0] == names[1] else names
+                param.envvar = f"{prefix}_{_flag_name(param)}"
+                legacy = f"{prefix}_{param.name.upper()}"
+                if legacy != param.envvar:
+                    _LEGACY_ENVVARS[legacy] = param.envvar
     if isinstance(command, click.Group):
         for name, sub in command.commands.items():
             _show_envvars(sub, f"{prefix}_{name.upper().replace('-', '_')}")
@@ -255,7 +262,15 @@ def _flag_name(option: click.Option) -> str:
 _show_envvars(cli, "POSTBOX")
 
 
+def _read_legacy_envvars() -> None:
+    """An option's variable under its former name (see _LEGACY_ENVVARS), unless its own is set."""
+    for legacy, current in _LEGACY_ENVVARS.items():
+        if legacy in os.environ and current not in os.environ:
+            os.environ[current] = os.environ[legacy]
+
+
 def main() -> None:
+    _read_legacy_envvars()
     obj: dict[str, object] = {}
     try:
         cli(obj=obj)
