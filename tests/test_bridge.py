@@ -318,3 +318,83 @@ def test_a_bridge_whose_broker_goes_away_exits_70_for_its_supervisor(database, t
             p.wait()
     text = log.read_text()
     assert "bridge stopped:" in text and "Traceback" not in text
+
+
+def _closed_port() -> int:
+    """A local port nothing listens on."""
+    from tests.kafka_broker import free_port
+
+    return free_port()
+
+
+@pytest.mark.parametrize(
+    ("scheme", "name"),
+    [
+        ("amqp://guest:bridge-pw@127.0.0.1:{port}/%2F", "q"),
+        ("redis://127.0.0.1:{port}/0", "s"),
+        ("nats://127.0.0.1:{port}", "ORDERS:orders.in"),
+    ],
+    ids=["rabbitmq", "redis", "nats"],
+)
+def test_a_bridge_waits_for_a_broker_it_cannot_reach_and_stops_at_once_on_sigterm(
+    database, tmp_path, monkeypatch, scheme, name
+):
+    """Started before its broker (the usual race in a compose file): a line a try, saying so, no
+    traceback, no password; SIGTERM exits 0 within a try (it died with the client's traceback,
+    and NATS's client ignored the signal for half a minute)."""
+    monkeypatch.setenv("POSTBOX_LOG_LEVEL", "info")
+    log = tmp_path / "bridge.log"
+    with open(log, "wb") as out:
+        p = spawn_postbox(
+            "--log-format", "text", "--database-url", database.url, "bridge",
+            "--from", scheme.format(port=_closed_port()), "--name", name, "--consumer", "orders",
+            stderr=out.fileno(),
+        )  # fmt: skip
+    try:
+        eventually(
+            lambda: log.read_text().count("cannot reach the broker") >= 2, timeout=30, what="two tries"
+        )
+        assert p.poll() is None
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(10) == 0
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    text = log.read_text()
+    assert "Traceback" not in text and "bridge-pw" not in text, text
+
+
+def test_a_bridge_started_before_its_broker_bridges_once_the_broker_is_up(database, tmp_path):
+    """RabbitMQ unreachable at start (a proxy down in front of it), then up: the bridge connects at
+    its next try and the queued message reaches the inbox."""
+    proxy = Proxy("127.0.0.1", 5672)
+    proxy.down()
+    queue = f"bridge-late-{uuid.uuid4().hex[:8]}"
+    t = RabbitMQTransport("amqp://guest:guest@127.0.0.1:5672/%2F", queue)
+    try:
+        t.publish(rows(1, 1))
+    finally:
+        t.close()
+    log = tmp_path / "bridge.log"
+    with open(log, "wb") as out:
+        p = spawn_postbox(
+            "--database-url", database.url, "bridge", "--from", f"amqp://guest:guest@127.0.0.1:{proxy.port}/%2F",
+            "--name", queue, "--consumer", "orders", stderr=out.fileno(),
+        )  # fmt: skip
+    try:
+        eventually(lambda: "cannot reach the broker" in log.read_text(), timeout=30, what="a failed try")
+        proxy.up()
+        eventually(
+            lambda: scalar(database.url, "SELECT count(*) FROM postbox.inbox WHERE consumer = 'orders'") == 1,
+            timeout=60,
+            what="the message bridged once the broker is up",
+        )
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(20) == 0
+    finally:
+        proxy.down()
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    assert "Traceback" not in log.read_text()

@@ -300,12 +300,12 @@ def bridge(
 ) -> None:
     """Consume from a broker into the inbox: insert, commit, then acknowledge."""
     from postbox.outbox.bridge import Bridge
-    from postbox.outbox.transports import source_for
+    from postbox.outbox.transports import source_maker
 
     url = database_url(ctx)
     try:
-        source = source_for(source_url, name)
+        connect = source_maker(source_url, name)  # checked now, connected once the bridge runs
     except ValueError as error:
         raise click.BadParameter(str(error), param_hint="--from") from None
-    service = Bridge(url, source, consumer, batch_size=batch_size, origin=name)
+    service = Bridge(url, connect, consumer, batch_size=batch_size, origin=name)
     run_service(ctx, service, "bridge", url, connect_timeout, stop_message="bridge stopping")

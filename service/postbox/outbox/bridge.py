@@ -18,12 +18,14 @@ import logging
 import random
 import re
 import threading
-from typing import Any
+from collections.abc import Callable
+from typing import Any, cast
 
 import psycopg
 from pydantic import ValidationError
 
-from postbox.errors import InvalidMessage
+from postbox.config.masking import mask_text
+from postbox.errors import ConfigError, InvalidMessage
 from postbox.inbox.receive import receive_many
 from postbox.messages import InboxMessage, ReceiveResult
 from postbox.operations import metrics
@@ -37,12 +39,14 @@ log = logging.getLogger("postbox.bridge")
 
 class Bridge:
     """Moves messages from ``source`` into the inbox of ``consumer``: one transaction per batch,
-    acknowledged only after it committed."""
+    acknowledged only after it committed. ``source`` is a connected source, or what connects one
+    (:func:`postbox.outbox.transports.source_maker`): the bridge then connects when it starts, and
+    waits for a broker that is not reachable yet (a line a try, with backoff) until stopped."""
 
     def __init__(
         self,
         url: str,
-        source: Source,
+        source: Source | Callable[[], Source],
         consumer: str,
         *,
         batch_size: int = 100,
@@ -50,7 +54,9 @@ class Bridge:
         origin: str | None = None,
     ) -> None:
         self.url = url
-        self.source = source
+        connected = hasattr(source, "fetch")
+        self.source: Source | None = cast(Source, source) if connected else None
+        self._connect_source = None if connected else cast(Callable[[], Source], source)
         self.consumer = consumer
         self.batch_size = batch_size
         self.wait = wait
@@ -161,6 +167,41 @@ class Bridge:
                 warned = True
             self._stopping.wait(1.0)
 
+    def _open_source(self) -> Source | None:
+        """The source, connected now if it is not yet, waiting (stoppably, with jittered backoff up
+        to 10 s) while the broker is unreachable; None if the bridge was stopped meanwhile. A
+        missing client (its extra) is fatal at once."""
+        failures = 0
+        while self.source is None and self._connect_source is not None:
+            if self._stopping.is_set():
+                return None
+            try:
+                self.source = self._connect_source()
+            except ConfigError:
+                raise
+            except Exception as error:  # unreachable, refused, not ready yet: the next try may do
+                if self._stopping.is_set():
+                    return None
+                failures += 1
+                pause = min(10.0, 0.5 * 2 ** (failures - 1)) * random.uniform(0.75, 1.25)
+                text = (str(error).strip().splitlines() or [""])[0] or type(error).__name__
+                log.warning(
+                    "bridge: cannot reach the broker (try %s): %s: %s; retrying in %.1f s",
+                    failures,
+                    type(error).__name__,
+                    mask_text(text),
+                    pause,
+                    extra={"event": "bridge_broker_unavailable", "consumer": self.consumer},
+                )
+                self._stopping.wait(pause)
+        if failures:
+            log.info(
+                "bridge: broker reachable after %s tries",
+                failures + 1,
+                extra={"event": "bridge_broker_reachable"},
+            )
+        return self.source
+
     def _unavailable(self, error: psycopg.OperationalError, failures: int, doing: str) -> bool:
         """Log that the database is unavailable and back off (jittered, up to 5 s); True if the
         bridge was stopped meanwhile."""
@@ -211,6 +252,7 @@ class Bridge:
         metrics.BRIDGE_MESSAGES.labels(self.consumer, "rejected").inc()
         self.rejected += 1
         item.refused = str(error)
+        assert self.source is not None  # connected before anything is fetched
         self.source.reject(item)
 
     def _store_refusing(
@@ -232,9 +274,12 @@ class Bridge:
     def _loop(self) -> None:
         conn: psycopg.Connection[Any] | None = None
         self._wait_for_consumer()
+        source = self._open_source()
+        if source is None:
+            return
         try:
             while not self._stopping.is_set():
-                items = self.source.fetch(self.batch_size, self.wait)
+                items = source.fetch(self.batch_size, self.wait)
                 if not items:
                     continue
                 good: list[tuple[Incoming, InboxMessage]] = []
@@ -246,7 +291,7 @@ class Bridge:
                 results, conn = self._store_refusing(good, conn)
                 if results is None:  # stopped while the database was unreachable: not acknowledged
                     break
-                self.source.ack([i for i, _ in good])
+                source.ack([i for i, _ in good])
                 self.received += sum(1 for r in results if r.is_new)
                 self.duplicates += sum(1 for r in results if not r.is_new)
                 for (_, m), r in zip(good, results, strict=True):
@@ -260,4 +305,4 @@ class Bridge:
         finally:
             if conn is not None:
                 conn.close()
-            self.source.close()
+            source.close()

@@ -14,6 +14,7 @@ transport or source is made, after checking it is installed (:func:`postbox.extr
 
 from __future__ import annotations
 
+import functools
 import importlib
 import json
 from collections.abc import Callable, Sequence
@@ -147,10 +148,22 @@ def transport_class(kind: str) -> Callable[..., Transport]:
 
 def source_for(url: str, name: str) -> Source:
     """The bridge source for a broker URL: amqp:// (queue ``name``), redis:// (stream ``name``),
-    nats:// (``name`` is STREAM:SUBJECT) or kafka:// (topic ``name``)."""
+    nats:// (``name`` is STREAM:SUBJECT) or kafka:// (topic ``name``), connected."""
+    return source_maker(url, name)()
+
+
+def source_maker(url: str, name: str) -> Callable[[], Source]:
+    """What connects the bridge source for a broker URL (see :func:`source_for`), the URL and its
+    client checked now (ValueError, or :class:`MissingExtra`) without connecting: the bridge connects
+    when it starts, and waits for a broker that is not reachable yet."""
     scheme = url.split(":", 1)[0]
     module = _module(SCHEMES[scheme.lower()]) if scheme.lower() in SCHEMES else None
     if module is None or getattr(module, "source", None) is None:
         raise ValueError(f"postbox: no bridge source for {scheme!r} (amqp, redis, nats or kafka)")
-    made: Source = module.source(url, name)
+    if module.EXTRA is not None:
+        require(module.EXTRA, f"the {module.NAME} bridge source")
+    check = getattr(module, "check_source", None)
+    if check is not None:
+        check(url, name)
+    made: Callable[[], Source] = functools.partial(module.source, url, name)
     return made

@@ -388,6 +388,11 @@ def parse_url(url: str) -> tuple[str, dict[str, str]]:
     return hosts, query
 
 
+def check_source(url: str, name: str) -> None:
+    """Refuse a bridge URL that cannot name a broker (ValueError), before connecting."""
+    parse_url(url)
+
+
 def source(url: str, name: str) -> KafkaSource:
     """The bridge source of ``postbox bridge --from kafka://...``: ``name`` is the topic; the URL's
     query gives ``group`` (default postbox-bridge), ``dead_letter_topic`` and librdkafka settings."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import threading
 from collections.abc import Coroutine, Sequence
 from typing import Any
@@ -25,6 +26,9 @@ __all__ = ["NatsSource", "NatsTransport", "source"]
 
 EXTRA = "nats"
 NAME = "NATS"
+CONNECT_SECONDS = 5.0  # a bridge source's first connection, each try
+
+log = logging.getLogger("postbox.nats")
 
 
 class _LoopThread:
@@ -137,7 +141,11 @@ class NatsSource:
         self._loop = _LoopThread("postbox-nats-bridge")
         self.url, self.stream, self.subject, self.durable = url, stream, subject, durable
         self._nc: Any = None
-        self._sub: Any = self._run(self._connect())
+        try:
+            self._sub: Any = self._run(self._connect())
+        except BaseException:
+            self._loop.stop()  # nothing of a failed try is left running
+            raise
 
     def _run(self, coro: Coroutine[Any, Any, Any], timeout: float = 30) -> Any:
         return self._loop.run(coro, timeout)
@@ -145,7 +153,21 @@ class NatsSource:
     async def _connect(self) -> Any:
         import nats
 
-        self._nc = await nats.connect(self.url)
+        last: list[Exception] = []
+
+        async def quiet(error: Exception) -> None:  # the client's own report is a traceback a try
+            last[:] = [error]
+            log.debug("nats: %s", mask_text(str(error)))
+
+        # Bounded: the client retries an unreachable server on its own for minutes; the bridge waits
+        # for its broker itself, a line a try, and stops at once when told to.
+        try:
+            self._nc = await asyncio.wait_for(
+                nats.connect(self.url, error_cb=quiet, connect_timeout=2), CONNECT_SECONDS
+            )
+        except TimeoutError:
+            why = f": {type(last[0]).__name__}: {last[0]}" if last else ""
+            raise ConnectionError(f"no connection to NATS within {CONNECT_SECONDS:g} s{why}") from None
         js = self._nc.jetstream()
         await _stream(js, self.stream, self.subject)
         return await js.pull_subscribe(self.subject, durable=self.durable, stream=self.stream)

@@ -9,6 +9,7 @@ failure record or a log line.
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -23,6 +24,15 @@ __all__ = ["RabbitMQSource", "RabbitMQTransport", "source"]
 
 EXTRA = "rabbitmq"
 NAME = "RabbitMQ"
+
+# pika logs every failed connection attempt itself, at ERROR, one with a traceback; Postbox says it
+# in a line of its own (the relay's transient failure, the bridge's wait for its broker).
+for _noisy in (
+    "pika.adapters.blocking_connection",
+    "pika.adapters.utils.connection_workflow",
+    "pika.adapters.utils.io_services_utils",
+):
+    logging.getLogger(_noisy).setLevel(logging.CRITICAL)
 
 
 class RabbitMQTransport:
