@@ -275,18 +275,25 @@ def test_a_fetch_returns_the_records_there_without_waiting_out_its_timeout(kafka
     assert took < 5.0, f"the fetch took {took:.1f} s for records already there"
 
 
-def test_poison_records_are_dead_lettered_with_their_coordinates(database, kafka_broker):
+@pytest.mark.parametrize(
+    ("limit", "big"),
+    [(100_000, 200_000), (200, 300)],
+    ids=["limit checked by the client", "limit only the database checks"],
+)
+def test_poison_records_are_dead_lettered_with_their_coordinates(database, kafka_broker, limit, big):
     """A record that is not JSON, and one over the database's payload limit, go to the dead-letter
     topic with their topic, partition, offset and the reason; the records around them are received
-    and the partition goes on."""
+    and the partition goes on. A limit set below what the client checks is refused by the database,
+    which does not say which message of the batch: each is then received in a savepoint of its own
+    (the bridge stopped, exit 70, and met the record again at every start)."""
     from confluent_kafka import Producer
 
     with database.connect(autocommit=True) as c:
-        c.execute(f"ALTER DATABASE {database.name} SET postbox.max_payload_bytes = 100000")
+        c.execute(f"ALTER DATABASE {database.name} SET postbox.max_payload_bytes = {limit}")
     topic = kafka_broker.create_topic(f"poison-{uuid.uuid4().hex[:8]}")
     p = Producer({"bootstrap.servers": kafka_broker.bootstrap})
     for i, value in enumerate(
-        [b'{"n": 0}', b"not json", b'{"n": 2}', json.dumps({"big": "y" * 200_000}).encode(), b'{"n": 4}']
+        [b'{"n": 0}', b"not json", b'{"n": 2}', json.dumps({"big": "y" * big}).encode(), b'{"n": 4}']
     ):
         p.produce(topic, value, b"k", headers=[("message_id", f"p{i}".encode())])
     p.flush(10)
@@ -309,7 +316,7 @@ def test_poison_records_are_dead_lettered_with_their_coordinates(database, kafka
         (topic, "0", "1", "p1"), (topic, "0", "3", "p3")]  # fmt: skip
     assert "not JSON" in dead[0]["headers"]["postbox-dead-letter-reason"]
     assert "over the limit" in dead[1]["headers"]["postbox-dead-letter-reason"]
-    assert dead[0]["payload"] == b"not json" and dead[1]["payload"] == {"big": "y" * 200_000}
+    assert dead[0]["payload"] == b"not json" and dead[1]["payload"] == {"big": "y" * big}
 
 
 CRASHING_BRIDGE = """

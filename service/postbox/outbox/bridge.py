@@ -215,19 +215,21 @@ class Bridge:
         return self._stopping.wait(min(5.0, 0.1 * 2**failures) * random.uniform(0.5, 1.0))
 
     def _store(
-        self, messages: list[InboxMessage], conn: psycopg.Connection[Any] | None
-    ) -> tuple[list[ReceiveResult] | InvalidMessage | None, psycopg.Connection[Any] | None]:
+        self, messages: list[InboxMessage], conn: psycopg.Connection[Any] | None, *, each: bool = False
+    ) -> tuple[list[Any] | InvalidMessage | None, psycopg.Connection[Any] | None]:
         """Receive a batch and commit it, retrying with jittered backoff while the database is
         unreachable (a retry after a commit whose outcome was lost finds duplicates: nothing is
         stored twice). Committed first, acknowledged after: a crash in between means a redelivery.
         Returns no results if the bridge is stopped meanwhile, the refusal if the database refuses
-        a message of the batch (over its size limits: nothing of the batch is stored)."""
+        a message of the batch (over its size limits: nothing of the batch is stored). With
+        ``each``, every message is received in a savepoint of its own and a refused one gives its
+        refusal in its result's place, the others stored."""
         failures = 0
         while True:
             try:
                 if conn is None or conn.closed or conn.broken:
                     conn = psycopg.connect(self.url, application_name="postbox-bridge")
-                results = receive_many(conn, messages)
+                results: list[Any] = _each(conn, messages) if each else receive_many(conn, messages)
                 conn.commit()
                 return results, conn
             except InvalidMessage as refused:  # raised before the batch is sent: conn is connected
@@ -266,10 +268,21 @@ class Bridge:
             if not isinstance(results, InvalidMessage):
                 return results, conn
             match = re.match(r"messages\[(\d+)\]", results.field)
-            if match is None or int(match.group(1)) >= len(good):
-                raise results
-            item, _ = good.pop(int(match.group(1)))
-            self._reject(item, results)
+            if match is not None and int(match.group(1)) < len(good):
+                item, _ = good.pop(int(match.group(1)))
+                self._reject(item, results)
+                continue
+            # Refused by the database, which does not say which message (a size limit set below
+            # what the client checks): each in a savepoint of its own, the refused ones rejected.
+            each, conn = self._store([m for _, m in good], conn, each=True)
+            if each is None or isinstance(each, InvalidMessage):
+                return None, conn  # stopped meanwhile: nothing acknowledged
+            kept = [(g, r) for g, r in zip(good, each, strict=True) if not isinstance(r, InvalidMessage)]
+            for (item, _), r in zip(good, each, strict=True):
+                if isinstance(r, InvalidMessage):
+                    self._reject(item, r)
+            good[:] = [g for g, _ in kept]
+            return [r for _, r in kept], conn
 
     def _loop(self) -> None:
         conn: psycopg.Connection[Any] | None = None
@@ -306,3 +319,18 @@ class Bridge:
             if conn is not None:
                 conn.close()
             source.close()
+
+
+def _each(
+    conn: psycopg.Connection[Any], messages: list[InboxMessage]
+) -> list[ReceiveResult | InvalidMessage]:
+    """Each message received in a savepoint of its own: its result, or the database's refusal of it
+    (that savepoint rolled back, the transaction and the others intact)."""
+    out: list[ReceiveResult | InvalidMessage] = []
+    for m in messages:
+        try:
+            with conn.transaction():
+                out.append(receive_many(conn, [m])[0])
+        except InvalidMessage as refused:
+            out.append(refused)
+    return out
