@@ -237,6 +237,39 @@ def test_conflicting_row_is_dead_lettered_and_blocks_only_its_key(database):
     )
 
 
+def test_a_consumer_the_receiving_side_has_not_declared_yet_is_retried_until_it_is(database):
+    """Deployed before the receiving service's worker declared its consumer (another one being
+    declared, so it is refused): the rows are retried, not dead-lettered at their first attempt,
+    and delivered in order once it is declared."""
+    url = database.url
+    with psycopg.connect(url) as c:
+        postbox.declare_consumer(c, "other")
+        c.commit()
+    publish(url, [("m1", "k"), ("m2", "k")])
+    r = start_relay(url)
+    try:
+        eventually(
+            lambda: scalar(
+                url, "SELECT last_error FROM postbox.outbox WHERE message_id = 'm1' AND attempt >= 2"
+            ),
+            what="a retried delivery",
+        )
+        assert scalar(url, "SELECT count(*) FROM postbox.dead_letters") == 0
+        error = scalar(url, "SELECT last_error FROM postbox.outbox WHERE message_id = 'm1'")
+        assert "not a declared consumer" in error and "[consumers.next]" in error, error
+        with psycopg.connect(url) as c:
+            postbox.declare_consumer(c, "next")
+            c.commit()
+        eventually(
+            lambda: scalar(url, "SELECT count(*) FROM postbox.outbox") == 0, what="delivered once declared"
+        )
+    finally:
+        r.stop()
+        r.join()
+    delivered_in_order(url, {"k": ["m1", "m2"]})
+    assert scalar(url, "SELECT count(*) FROM postbox.dead_letters") == 0
+
+
 def test_relay_killed_with_kill_9_loses_nothing(database, tmp_path):
     """A relay process killed mid-run and restarted: every row arrives; a row whose confirmation was
     lost may be published twice, and the receiving inbox absorbs it as a duplicate."""

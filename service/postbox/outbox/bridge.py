@@ -161,7 +161,9 @@ class Bridge:
                 return
             if not warned:
                 log.warning(
-                    "bridge: consumer %r is not declared yet; waiting (start its worker, or declare it)",
+                    "bridge: consumer %r is not declared yet; waiting (its worker declares it at start from a"
+                    " [consumers.%s] table of its configuration file; or call postbox.declare_consumer)",
+                    self.consumer,
                     self.consumer,
                 )
                 warned = True

@@ -2,7 +2,9 @@
 
 Service to service without a broker: the receiving side's deduplication (by ``message_id``) absorbs
 a row published twice. A row whose ``message_id`` is already in the target inbox with another
-payload is a permanent failure (a conflict, never silently dropped).
+payload is a permanent failure (a conflict, never silently dropped). A consumer the receiving
+database has not declared (once it declares any) is a transient one: its worker may not have
+started yet.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import psycopg
 
 from postbox.config.settings import register_url_secrets
 from postbox.errors import InvalidMessage
-from postbox.failures.outcomes import Permanent
+from postbox.failures.outcomes import Permanent, Transient
 from postbox.inbox.receive import receive_many
 from postbox.messages import InboxMessage, ReceiveResult
 from postbox.outbox.transports import OutboxRow
@@ -87,6 +89,18 @@ class PostgresTransport:
         except (InvalidMessage, psycopg.Error) as error:
             if not conn.closed:
                 conn.rollback()
+            if (
+                isinstance(error, InvalidMessage)
+                and error.field == "consumer"
+                and "not a declared" in error.problem
+            ):
+                # Deployed before the receiving side declared its consumer: retried, as a broker
+                # not up yet would be, until it is (or the row's retries run out).
+                return Transient(
+                    f"consumer {error.problem} in the receiving database: its worker declares it at start "
+                    f"from a [consumers.{self.consumer}] table of its configuration file (or call "
+                    "postbox.declare_consumer there); retried meanwhile"
+                )
             return error
 
     def close(self) -> None:
