@@ -148,6 +148,43 @@ def test_config_check_refuses_a_deduplication_window_shorter_than_the_files_retr
     assert r.returncode == 0 and "configuration is valid" in r.stderr, r.stderr
 
 
+def test_config_check_names_each_secret_variable_that_is_not_set_by_its_setting(tmp_path):
+    """A Kafka destination's SASL and key passwords and an HTTP destination's HMAC secret come from
+    environment variables: config check names each one unset under its own setting (the relay
+    refuses to start without them; it named the Kafka ones hmac_secret_env), and passes once set."""
+    config = tmp_path / "postbox.toml"
+    config.write_text(
+        '[destinations.k]\nkind = "kafka"\nsasl_password_env = "PB_T_SASL"\nssl_key_password_env = "PB_T_KEY"\n'
+        '[destinations.h]\nkind = "http"\nurl = "https://partner.example/h"\nhmac_secret_env = "PB_T_HMAC"\n'
+    )
+    r = run_postbox("--config", str(config), "config", "check")
+    assert r.returncode == 1, r.stderr
+    for line in (
+        "destinations.k.sasl_password_env: environment variable PB_T_SASL is not set",
+        "destinations.k.ssl_key_password_env: environment variable PB_T_KEY is not set",
+        "destinations.h.hmac_secret_env: environment variable PB_T_HMAC is not set",
+    ):
+        assert line in r.stderr, r.stderr
+    relay = run_postbox(
+        "--config",
+        str(config),
+        "--database-url",
+        "postgresql://x@127.0.0.1:1/x",
+        "relay",
+        "--destination",
+        "k",
+        env={"PB_T_KEY": "x", "PB_T_HMAC": "x"},
+    )
+    assert (
+        relay.returncode == 2
+        and "destinations.k.sasl_password_env: environment variable PB_T_SASL" in relay.stderr
+    )
+    r = run_postbox(
+        "--config", str(config), "config", "check", env={"PB_T_SASL": "s", "PB_T_KEY": "k", "PB_T_HMAC": "h"}
+    )
+    assert r.returncode == 0 and "configuration is valid" in r.stderr, r.stderr
+
+
 def test_status_watch_prints_one_json_object_a_line_and_ctrl_c_ends_it_with_status_0(database):
     """``status --watch --json`` refreshes until interrupted, one JSON object per refresh; SIGINT
     (Ctrl-C), whether it lands in the pause or in a query, ends it with status 0 and no traceback.

@@ -205,7 +205,7 @@ def config() -> None:
 def config_check(ctx: click.Context) -> None:
     """Print the effective configuration (environment, file, defaults; secrets masked) and exit
     non-zero with the validation errors, if any."""
-    from postbox.config.policies import check_file_retention, load_policies
+    from postbox.config.policies import check_file_retention, load_policies, missing_secrets
 
     obj = ctx.find_root().ensure_object(dict)
     errors: list[str] = []
@@ -220,6 +220,7 @@ def config_check(ctx: click.Context) -> None:
             policies = load_policies(path)
             effective.update(policies.model_dump(mode="json", exclude_defaults=False))
             check_file_retention(policies)  # as a worker does at start, with the file's policies
+            errors += missing_secrets(policies)  # as the relay or worker needing one does at start
     except ConfigError as error:
         errors.append(str(error))
     if effective:

@@ -65,6 +65,7 @@ __all__ = [
     "check_retention",
     "configured_handlers",
     "load_policies",
+    "missing_secrets",
     "sql_functions",
 ]
 
@@ -80,15 +81,16 @@ def load_policies(data: dict[str, Any] | Path | None) -> PoliciesConfig:
     return load_settings(document=data).policies()
 
 
-def _secret(env_name: str | None, where: str) -> bytes | None:
-    """An HMAC secret read from the environment variable the file names (never from the file)."""
+def _secret(env_name: str | None, where: str, setting: str = "hmac_secret_env") -> bytes | None:
+    """A secret read from the environment variable the file names in ``setting`` (never from the
+    file)."""
     import os
 
     if env_name is None:
         return None
     value = os.environ.get(env_name)
     if not value:
-        raise ConfigError(f"{where}.hmac_secret_env: environment variable {env_name} is not set")
+        raise ConfigError(f"{where}.{setting}: environment variable {env_name} is not set")
     register_secret(value)
     return value.encode()
 
@@ -136,7 +138,7 @@ def build_transports(config: PoliciesConfig, names: list[str], own_url: str) -> 
                 ("sasl.password", dest.sasl_password_env),
                 ("ssl.key.password", dest.ssl_key_password_env),
             ):
-                secret_value = _secret(env, f"destinations.{name}")
+                secret_value = _secret(env, f"destinations.{name}", f"{setting.replace('.', '_')}_env")
                 if secret_value is not None:
                     settings[setting] = secret_value.decode()
             transports[name] = functools.partial(
@@ -181,6 +183,29 @@ def check_retention(config: PoliciesConfig, registry: Registry, default: RetryPo
     policies = [default, *registry.retry_policies.values()]
     policies += [s.retry for s in registry.handlers.values() if s.retry is not None]
     _check_horizon(config, policies)
+
+
+def missing_secrets(config: PoliciesConfig) -> list[str]:
+    """The secrets the file names an environment variable for (HMAC secrets, Kafka passwords) whose
+    variable is not set here: the relay or the worker that needs one refuses to start without it."""
+    import os
+
+    named: list[tuple[str, str | None]] = []
+    for name, dest in config.destinations.items():
+        if isinstance(dest, KafkaDestination):
+            named += [(f"destinations.{name}.sasl_password_env", dest.sasl_password_env)]
+            named += [(f"destinations.{name}.ssl_key_password_env", dest.ssl_key_password_env)]
+        elif isinstance(dest, HttpDestination):
+            named += [(f"destinations.{name}.hmac_secret_env", dest.hmac_secret_env)]
+    for consumer, policy in config.consumers.items():
+        for type_, h in policy.handlers.items():
+            if isinstance(h, HttpHandlerConfig):
+                named += [(f"consumers.{consumer}.handlers.{type_}.hmac_secret_env", h.hmac_secret_env)]
+    return [
+        f"{where}: environment variable {env} is not set"
+        for where, env in named
+        if env and not os.environ.get(env)
+    ]
 
 
 def check_file_retention(config: PoliciesConfig) -> None:
