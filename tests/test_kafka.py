@@ -485,3 +485,28 @@ def test_bridges_joining_and_leaving_a_group_lose_nothing_and_keep_key_order(dat
     for key, message_id in rows_in:
         order.setdefault(key, []).append(message_id)
     assert order == {k: [r.message_id for r in records if r.key == k] for k in order}
+
+
+def test_a_relay_whose_kafka_settings_librdkafka_refuses_does_not_start(database, kafka_broker, tmp_path):
+    """A CA file that is not there: the relay exits 2 at start naming the destination's settings and
+    librdkafka's reason, and no row is touched (each row was dead-lettered, a key blocked each)."""
+    config = tmp_path / "postbox.toml"
+    config.write_text(
+        f'[destinations.stream]\nkind = "kafka"\nbootstrap_servers = "{kafka_broker.bootstrap}"\n'
+        f'settings = {{ "security.protocol" = "SSL", "ssl.ca.location" = "{tmp_path}/missing-ca.pem" }}\n'
+    )
+    with database.connect() as c:
+        postbox.publish(c, destination="stream", payload={"n": 1}, key="k")
+        c.commit()
+    r = subprocess.run(
+        [sys.executable, "-m", "postbox", "--config", str(config), "--database-url", database.url, "relay"],
+        capture_output=True, text=True, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=60, check=False,
+    )  # fmt: skip
+    assert r.returncode == 2, r.stderr
+    assert (
+        "destinations.stream.settings: librdkafka refuses its settings" in r.stderr
+        and "ssl.ca.location" in r.stderr
+    )
+    assert "Traceback" not in r.stderr
+    assert scalar(database.url, "SELECT count(*) FROM postbox.dead_letters") == 0
+    assert scalar(database.url, "SELECT attempt FROM postbox.outbox") == 0

@@ -144,6 +144,10 @@ def build_transports(config: PoliciesConfig, names: list[str], own_url: str) -> 
             transports[name] = functools.partial(
                 transport_class("kafka"), dest.bootstrap_servers, dest.topic or name, settings
             )
+            try:  # at start, not as a failure of every row
+                transports[name]().check_settings()
+            except ValueError as refused:
+                raise ConfigError(f"destinations.{name}.settings: {refused}") from None
         else:
             secret = _secret(dest.hmac_secret_env, f"destinations.{name}")
             transports[name] = functools.partial(

@@ -124,6 +124,18 @@ class KafkaTransport:
         self._producer: Any = None
         self._fatal: Any = None
 
+    def check_settings(self) -> None:
+        """Make a producer with these settings now, to refuse at start what librdkafka refuses (a
+        TLS file that is not there, a bad value) rather than fail every row: ValueError saying why."""
+        from confluent_kafka import KafkaException, Producer
+
+        try:
+            producer = Producer(dict(self._config))
+        except KafkaException as error:
+            reason = error.args[0].str() if error.args and hasattr(error.args[0], "str") else str(error)
+            raise ValueError(mask_text(f"librdkafka refuses its settings: {reason}")) from None
+        producer.flush(0)
+
     def _ensure(self) -> Any:
         from confluent_kafka import Producer
 
