@@ -111,6 +111,11 @@ def test_mask_secrets_masks_values_named_like_secrets_and_secrets_inside_strings
     assert not [x for x in m if x in text]
     assert masked["hmac_secret_env"] == "HOOK_SECRET"  # the variable's name, not the secret
     assert masked["routing_key"] == "orders" and masked["timeout"] == 5
+    assert masked["sasl"]["mechanism"] == "PLAIN"  # a setting about secrets is not one
+    assert mask_secrets({"sasl.username": "relay", "sasl.mechanism": "SCRAM-SHA-512"}) == {
+        "sasl.username": "relay",
+        "sasl.mechanism": "SCRAM-SHA-512",
+    }
     assert masked["headers"]["X-Team"] == "billing" and masked["empty_password"] == ""
     assert masked["database_url"] == "postgresql://app:***@db/app"
 

@@ -74,7 +74,7 @@ MASK = "***"
 
 # Names (of settings, headers, query parameters, fields) that hold secrets.
 _SENSITIVE_WORDS = (
-    r"pass|pwd|secret|token|auth|credential|cookie|signature|sasl|session"
+    r"pass|pwd|secret|token|auth|credential|cookie|signature|session"
     r"|(?:api|access|private|signing|encryption|client|master|subscription|account|hmac)_?key"
 )
 _SECRET_NAME = re.compile(_SENSITIVE_WORDS)
