@@ -336,3 +336,16 @@ print(tracing.child_headers({{"traceparent": {GIVEN!r}}}, None)["traceparent"][:
     assert done.stdout.strip() == GIVEN[:36]
     assert _headers(database.url, "inbox", "m1") == {"traceparent": GIVEN}
     assert "traceparent" not in _headers(database.url, "outbox", "e1")
+
+
+def test_a_publish_without_a_message_id_names_the_id_its_row_gets_on_its_span(database, provider):
+    """``messaging.message.id`` on the span of a publish that left the id to its default: the
+    random UUID the row is stored with (the span had no id)."""
+    _, exporter = provider
+    with psycopg.connect(database.url) as conn:
+        postbox.publish(conn, destination="next", key="k", payload={"n": 1})
+        conn.commit()
+    (span,) = _named(exporter.get_finished_spans(), "publish next")
+    assert span.attributes is not None
+    stored = scalar(database.url, "SELECT message_id FROM postbox.outbox")
+    assert span.attributes["messaging.message.id"] == stored and len(stored) == 36

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import re
 import secrets
+import uuid
 from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import TYPE_CHECKING, Any, Protocol, TypeAlias
@@ -211,6 +212,9 @@ def producing(operation: str, items: list[dict[str, Any]], field: str) -> Iterat
         name = f"{operation} {destination}"
         attributes["messaging.destination.name"] = destination
     if len(items) == 1:
+        if operation == "publish" and not items[0].get("message_id"):
+            # The random UUID the database would choose, chosen here so that the span can name it.
+            items = [{**items[0], "message_id": str(uuid.uuid4())}]
         _message_attributes(attributes, items[0])
     else:
         attributes["messaging.batch.message_count"] = len(items)
