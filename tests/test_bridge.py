@@ -5,9 +5,13 @@ from __future__ import annotations
 
 import random
 import signal
+import subprocess
 import threading
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import UTC, datetime
+from pathlib import Path
 
 import psycopg
 import pytest
@@ -288,34 +292,56 @@ def test_bridge_started_while_its_database_refuses_connections_waits_and_then_br
     assert not thread.is_alive()
 
 
-def test_a_bridge_whose_broker_goes_away_exits_70_for_its_supervisor(database, tmp_path):
-    """The broker's connection cut under a running `postbox bridge`: the process stops, fatal, with
-    exit status 70 (for its supervisor to start it again) and one line saying why, no traceback."""
-    proxy = Proxy("127.0.0.1", 5672)
-    log = tmp_path / "bridge.log"
-    queue = f"bridge-fatal-{uuid.uuid4().hex[:8]}"
+def queue_of_one(prefix: str) -> str:
+    """A new RabbitMQ queue holding one message (an outbox row's)."""
+    queue = f"{prefix}-{uuid.uuid4().hex[:8]}"
     t = RabbitMQTransport("amqp://guest:guest@127.0.0.1:5672/%2F", queue)
     try:
         t.publish(rows(1, 1))
     finally:
         t.close()
+    return queue
+
+
+def spawn_bridge(url: str, source: str, name: str, log: Path, *options: str) -> subprocess.Popen[bytes]:
+    """`postbox bridge` from ``source`` into the inbox of consumer ``orders``, its log in ``log``."""
     with open(log, "wb") as out:
-        p = spawn_postbox(
-            "--database-url", database.url, "bridge", "--from", f"amqp://guest:guest@127.0.0.1:{proxy.port}/%2F",
-            "--name", queue, "--consumer", "orders", stderr=out.fileno(),
+        return spawn_postbox(
+            *options, "--database-url", url, "bridge", "--from", source, "--name", name, "--consumer", "orders",
+            stderr=out.fileno(),
         )  # fmt: skip
+
+
+@contextmanager
+def reaped(p: subprocess.Popen[bytes]) -> Iterator[subprocess.Popen[bytes]]:
+    """``p``, killed on the way out if it still runs."""
     try:
-        eventually(
-            lambda: scalar(database.url, "SELECT count(*) FROM postbox.inbox WHERE consumer = 'orders'") == 1,
-            what="the bridge bridging",
-        )
-        proxy.down()
-        assert p.wait(60) == 70, log.read_text()
+        yield p
     finally:
-        proxy.down()
         if p.poll() is None:
             p.kill()
             p.wait()
+
+
+def test_a_bridge_whose_broker_goes_away_exits_70_for_its_supervisor(database, tmp_path):
+    """The broker's connection cut under a running `postbox bridge`: the process stops, fatal, with
+    exit status 70 (for its supervisor to start it again) and one line saying why, no traceback."""
+    proxy = Proxy("127.0.0.1", 5672)
+    log = tmp_path / "bridge.log"
+    queue = queue_of_one("bridge-fatal")
+    source = f"amqp://guest:guest@127.0.0.1:{proxy.port}/%2F"
+    try:
+        with reaped(spawn_bridge(database.url, source, queue, log)) as p:
+            eventually(
+                lambda: (
+                    scalar(database.url, "SELECT count(*) FROM postbox.inbox WHERE consumer = 'orders'") == 1
+                ),
+                what="the bridge bridging",
+            )
+            proxy.down()
+            assert p.wait(60) == 70, log.read_text()
+    finally:
+        proxy.down()
     text = log.read_text()
     assert "bridge stopped:" in text and "Traceback" not in text
 
@@ -344,23 +370,14 @@ def test_a_bridge_waits_for_a_broker_it_cannot_reach_and_stops_at_once_on_sigter
     and NATS's client ignored the signal for half a minute)."""
     monkeypatch.setenv("POSTBOX_LOG_LEVEL", "info")
     log = tmp_path / "bridge.log"
-    with open(log, "wb") as out:
-        p = spawn_postbox(
-            "--log-format", "text", "--database-url", database.url, "bridge",
-            "--from", scheme.format(port=_closed_port()), "--name", name, "--consumer", "orders",
-            stderr=out.fileno(),
-        )  # fmt: skip
-    try:
+    source = scheme.format(port=_closed_port())
+    with reaped(spawn_bridge(database.url, source, name, log, "--log-format", "text")) as p:
         eventually(
             lambda: log.read_text().count("cannot reach the broker") >= 2, timeout=30, what="two tries"
         )
         assert p.poll() is None
         p.send_signal(signal.SIGTERM)
         assert p.wait(10) == 0
-    finally:
-        if p.poll() is None:
-            p.kill()
-            p.wait()
     text = log.read_text()
     assert "Traceback" not in text and "bridge-pw" not in text, text
 
@@ -370,31 +387,22 @@ def test_a_bridge_started_before_its_broker_bridges_once_the_broker_is_up(databa
     its next try and the queued message reaches the inbox."""
     proxy = Proxy("127.0.0.1", 5672)
     proxy.down()
-    queue = f"bridge-late-{uuid.uuid4().hex[:8]}"
-    t = RabbitMQTransport("amqp://guest:guest@127.0.0.1:5672/%2F", queue)
-    try:
-        t.publish(rows(1, 1))
-    finally:
-        t.close()
+    queue = queue_of_one("bridge-late")
     log = tmp_path / "bridge.log"
-    with open(log, "wb") as out:
-        p = spawn_postbox(
-            "--database-url", database.url, "bridge", "--from", f"amqp://guest:guest@127.0.0.1:{proxy.port}/%2F",
-            "--name", queue, "--consumer", "orders", stderr=out.fileno(),
-        )  # fmt: skip
+    source = f"amqp://guest:guest@127.0.0.1:{proxy.port}/%2F"
     try:
-        eventually(lambda: "cannot reach the broker" in log.read_text(), timeout=30, what="a failed try")
-        proxy.up()
-        eventually(
-            lambda: scalar(database.url, "SELECT count(*) FROM postbox.inbox WHERE consumer = 'orders'") == 1,
-            timeout=60,
-            what="the message bridged once the broker is up",
-        )
-        p.send_signal(signal.SIGTERM)
-        assert p.wait(20) == 0
+        with reaped(spawn_bridge(database.url, source, queue, log)) as p:
+            eventually(lambda: "cannot reach the broker" in log.read_text(), timeout=30, what="a failed try")
+            proxy.up()
+            eventually(
+                lambda: (
+                    scalar(database.url, "SELECT count(*) FROM postbox.inbox WHERE consumer = 'orders'") == 1
+                ),
+                timeout=60,
+                what="the message bridged once the broker is up",
+            )
+            p.send_signal(signal.SIGTERM)
+            assert p.wait(20) == 0
     finally:
         proxy.down()
-        if p.poll() is None:
-            p.kill()
-            p.wait()
     assert "Traceback" not in log.read_text()

@@ -116,33 +116,6 @@ def _options(
             yield from _options(sub, (*path, name))
 
 
-def test_config_check_names_every_problem_of_a_file_in_one_run(tmp_path):
-    """A bad setting, a bad retry table and a type's bad retry table of another consumer: all named
-    at once (the retry tables were checked only once the rest was valid, one problem at a time)."""
-    cfg = tmp_path / "p.toml"
-    cfg.write_text(
-        '[postbox]\nlog_format = "jsonx"\n'
-        '[consumers.billing]\non_dead_letter = "explode"\nretry = { max_delay = "abc" }\n'
-        "[consumers.stock.types.reserve]\nretry = { base_delay = -1 }\n"
-    )
-    r = postbox("--config", str(cfg), "config", "check")
-    assert r.returncode == 1, r.stderr
-    for problem in (
-        "log_format",
-        "consumers.billing.on_dead_letter",
-        "consumers.billing.retry.max_delay",
-        "consumers.stock.types.reserve.retry.base_delay",
-    ):
-        assert problem in r.stderr, (problem, r.stderr)
-    cfg.write_text(
-        "[consumers.billing]\nretry = { max_attempts = 0 }\n"
-        "[consumers.stock.types.reserve]\nretry = { base_delay = -1 }\n"
-    )
-    r = postbox("--config", str(cfg), "config", "check")
-    assert r.returncode == 1 and "consumers.billing.retry.max_attempts" in r.stderr, r.stderr
-    assert "consumers.stock.types.reserve.retry.base_delay" in r.stderr, r.stderr
-
-
 def test_every_options_variable_is_named_after_its_flag_as_documented():
     """POSTBOX_<COMMAND>_<OPTION> after the option's long flag, whatever the option's name in the
     code (``--sql`` of ``migrate``: POSTBOX_MIGRATE_SQL, not POSTBOX_MIGRATE_AS_SQL)."""

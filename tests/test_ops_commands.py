@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import psycopg
 
@@ -103,11 +104,12 @@ headers = { "Authorization" = "Bearer tok-abc-123" }
     env = {
         "POSTBOX_DATABASE_URL": "postgresql://app:db-pw-99@db.internal:5432/app",
         "POSTBOX_METRICS_PORT": "9464",
+        "PARTNER_SECRET": "hmac-pw-77",  # the variable the file names for the webhook's secret
     }
     r = run_postbox("--config", str(config), "config", "check", env=env)
     out = r.stdout + r.stderr
     assert r.returncode == 0, out
-    for secret in ("db-pw-99", "rabbit-pw-42", "tok-abc-123"):
+    for secret in ("db-pw-99", "rabbit-pw-42", "tok-abc-123", "hmac-pw-77"):
         assert secret not in out
     effective = json.loads(r.stdout)
     assert effective["postbox"]["database_url"] == "postgresql://app:***@db.internal:5432/app"
@@ -125,64 +127,97 @@ headers = { "Authorization" = "Bearer tok-abc-123" }
         assert secret not in out
 
 
+def config_check(
+    tmp_path: Path, text: str, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """``postbox config check`` of a file holding ``text``."""
+    config = tmp_path / "postbox.toml"
+    config.write_text(text)
+    return run_postbox("--config", str(config), "config", "check", env=env)
+
+
+def refused(result: subprocess.CompletedProcess[str], *problems: str) -> None:
+    """Exit 1, each of ``problems`` said, and not that the configuration is valid."""
+    assert result.returncode == 1, result.stderr
+    for problem in problems:
+        assert problem in result.stderr, (problem, result.stderr)
+    assert "configuration is valid" not in result.stderr
+
+
+def valid(result: subprocess.CompletedProcess[str]) -> None:
+    assert result.returncode == 0 and "configuration is valid" in result.stderr, result.stderr
+
+
 def test_config_check_refuses_a_deduplication_window_shorter_than_the_files_retries_as_a_worker_would(
     tmp_path,
 ):
     """A window shorter than the longest retry horizon plus the replay window: config check says so
     and exits 1, as a worker started with the file refuses it (config check said it was valid). A
     consumer's longer retries in the file count too."""
-    config = tmp_path / "postbox.toml"
-    config.write_text("[postbox]\ndedup_retention_seconds = 100\n")
-    r = run_postbox("--config", str(config), "config", "check")
-    assert r.returncode == 1 and "dedup_retention_seconds (100) is shorter than" in r.stderr, r.stderr
-    assert "configuration is valid" not in r.stderr
+    refused(
+        config_check(tmp_path, "[postbox]\ndedup_retention_seconds = 100\n"),
+        "dedup_retention_seconds (100) is shorter than",
+    )
     # Long enough for the default retries, not for the file's consumer that retries for 30 days.
-    config.write_text(
+    too_short = (
         "[postbox]\ndedup_retention_seconds = 604800\nreplay_window_seconds = 86400\n"
         "[consumers.billing]\nretry = { max_attempts = 100, max_delay = 86400, max_total_seconds = 2592000 }\n"
     )
-    r = run_postbox("--config", str(config), "config", "check")
-    assert r.returncode == 1 and "dedup_retention_seconds (604800) is shorter than" in r.stderr, r.stderr
-    config.write_text("[postbox]\ndedup_retention_seconds = 604800\n")
-    r = run_postbox("--config", str(config), "config", "check")
-    assert r.returncode == 0 and "configuration is valid" in r.stderr, r.stderr
+    refused(config_check(tmp_path, too_short), "dedup_retention_seconds (604800) is shorter than")
+    valid(config_check(tmp_path, "[postbox]\ndedup_retention_seconds = 604800\n"))
 
 
-def test_config_check_names_each_secret_variable_that_is_not_set_by_its_setting(tmp_path):
+def test_config_check_warns_of_each_secret_variable_that_is_not_set_by_its_setting(tmp_path):
     """A Kafka destination's SASL and key passwords and an HTTP destination's HMAC secret come from
-    environment variables: config check names each one unset under its own setting (the relay
-    refuses to start without them; it named the Kafka ones hmac_secret_env), and passes once set."""
-    config = tmp_path / "postbox.toml"
-    config.write_text(
+    environment variables: config check warns of each one unset, under its own setting (the relay
+    refuses to start without them; it named the Kafka ones hmac_secret_env), the file still valid
+    (a check may run where the secrets are not, in CI); once set, no warning."""
+    text = (
         '[destinations.k]\nkind = "kafka"\nsasl_password_env = "PB_T_SASL"\nssl_key_password_env = "PB_T_KEY"\n'
         '[destinations.h]\nkind = "http"\nurl = "https://partner.example/h"\nhmac_secret_env = "PB_T_HMAC"\n'
     )
-    r = run_postbox("--config", str(config), "config", "check")
-    assert r.returncode == 1, r.stderr
+    r = config_check(tmp_path, text)
+    valid(r)
     for line in (
-        "destinations.k.sasl_password_env: environment variable PB_T_SASL is not set",
-        "destinations.k.ssl_key_password_env: environment variable PB_T_KEY is not set",
-        "destinations.h.hmac_secret_env: environment variable PB_T_HMAC is not set",
+        "warning: destinations.k.sasl_password_env: environment variable PB_T_SASL is not set",
+        "warning: destinations.k.ssl_key_password_env: environment variable PB_T_KEY is not set",
+        "warning: destinations.h.hmac_secret_env: environment variable PB_T_HMAC is not set",
     ):
         assert line in r.stderr, r.stderr
     relay = run_postbox(
-        "--config",
-        str(config),
-        "--database-url",
-        "postgresql://x@127.0.0.1:1/x",
-        "relay",
-        "--destination",
-        "k",
-        env={"PB_T_KEY": "x", "PB_T_HMAC": "x"},
-    )
+        "--config", str(tmp_path / "postbox.toml"), "--database-url", "postgresql://x@127.0.0.1:1/x", "relay",
+        "--destination", "k", env={"PB_T_KEY": "x", "PB_T_HMAC": "x"},
+    )  # fmt: skip
     assert (
         relay.returncode == 2
         and "destinations.k.sasl_password_env: environment variable PB_T_SASL" in relay.stderr
     )
-    r = run_postbox(
-        "--config", str(config), "config", "check", env={"PB_T_SASL": "s", "PB_T_KEY": "k", "PB_T_HMAC": "h"}
+    r = config_check(tmp_path, text, env={"PB_T_SASL": "s", "PB_T_KEY": "k", "PB_T_HMAC": "h"})
+    valid(r)
+    assert "warning" not in r.stderr, r.stderr
+
+
+def test_config_check_names_every_problem_of_a_file_in_one_run(tmp_path):
+    """A bad setting, a bad retry table and a type's bad retry table of another consumer: all named
+    at once (the retry tables were checked only once the rest was valid, one problem at a time)."""
+    bad = (
+        '[postbox]\nlog_format = "jsonx"\n'
+        '[consumers.billing]\non_dead_letter = "explode"\nretry = { max_delay = "abc" }\n'
+        "[consumers.stock.types.reserve]\nretry = { base_delay = -1 }\n"
     )
-    assert r.returncode == 0 and "configuration is valid" in r.stderr, r.stderr
+    refused(
+        config_check(tmp_path, bad),
+        "log_format",
+        "consumers.billing.on_dead_letter",
+        "consumers.billing.retry.max_delay",
+        "consumers.stock.types.reserve.retry.base_delay",
+    )
+    retries = "[consumers.billing]\nretry = { max_attempts = 0 }\n[consumers.stock.types.reserve]\nretry = { base_delay = -1 }\n"
+    refused(
+        config_check(tmp_path, retries),
+        "consumers.billing.retry.max_attempts",
+        "consumers.stock.types.reserve.retry.base_delay",
+    )
 
 
 def test_status_watch_prints_one_json_object_a_line_and_ctrl_c_ends_it_with_status_0(database):
