@@ -211,12 +211,13 @@ def relay(
     ctx: click.Context, /, destinations: tuple[str, ...], connect_timeout: float | None, **options: Any
 ) -> None:
     """Publish committed outbox rows to their destinations, per key in order, until SIGTERM/SIGINT."""
-    from postbox.config.policies import build_transports
+    from postbox.config.policies import build_transports, check_kafka_settings
     from postbox.outbox.relay import Relay, RelaySettings
 
     policies = _policies(ctx)
     url = database_url(ctx)
     transports = build_transports(policies, list(destinations), url)
+    check_kafka_settings(policies, transports)  # at start, not as a failure of every row
     retry = {name: policies.destinations[name].retry_policy() for name in transports}
     on_dead = {name: policies.destinations[name].on_dead_letter for name in transports}
     try:

@@ -41,7 +41,7 @@ from postbox.config.policy_models import (
     SqlHandlerConfig,
     TypePolicy,
 )
-from postbox.config.settings import load_settings
+from postbox.config.settings import load_settings, mask_text
 from postbox.errors import ConfigError
 from postbox.failures.policy import RetryPolicy
 from postbox.inbox.handlers import Registry
@@ -62,6 +62,7 @@ __all__ = [
     "apply_policies",
     "build_transports",
     "check_file_retention",
+    "check_kafka_settings",
     "check_retention",
     "configured_handlers",
     "load_policies",
@@ -144,10 +145,6 @@ def build_transports(config: PoliciesConfig, names: list[str], own_url: str) -> 
             transports[name] = functools.partial(
                 transport_class("kafka"), dest.bootstrap_servers, dest.topic or name, settings
             )
-            try:  # at start, not as a failure of every row
-                transports[name]().check_settings()
-            except ValueError as refused:
-                raise ConfigError(f"destinations.{name}.settings: {refused}") from None
         else:
             secret = _secret(dest.hmac_secret_env, f"destinations.{name}")
             transports[name] = functools.partial(
@@ -187,6 +184,22 @@ def check_retention(config: PoliciesConfig, registry: Registry, default: RetryPo
     policies = [default, *registry.retry_policies.values()]
     policies += [s.retry for s in registry.handlers.values() if s.retry is not None]
     _check_horizon(config, policies)
+
+
+def check_kafka_settings(config: PoliciesConfig, transports: dict[str, Any]) -> None:
+    """Make a producer now with each Kafka destination's settings, so that a relay refuses at start
+    what librdkafka refuses (a CA file that is not there, a value it does not take) rather than fail
+    every row with it: :class:`ConfigError` naming the destination and librdkafka's reason."""
+    for name, make in transports.items():
+        if not isinstance(config.destinations.get(name), KafkaDestination):
+            continue
+        from confluent_kafka import KafkaException, Producer
+
+        try:
+            Producer(dict(make()._config)).flush(0)
+        except KafkaException as error:
+            reason = mask_text(error.args[0].str() if error.args else str(error))
+            raise ConfigError(f"destinations.{name}.settings: librdkafka refuses them: {reason}") from None
 
 
 def missing_secrets(config: PoliciesConfig) -> list[str]:

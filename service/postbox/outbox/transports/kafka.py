@@ -1,13 +1,12 @@
 """Kafka: the transport is an idempotent producer (``acks=all``) whose rows are confirmed by their
 delivery reports; the bridge source is a consumer group that commits offsets only once the inbox
-transaction holding the records has committed (docs/kafka.md).
+transaction holding the records has committed (docs/kafka.md). Needs the ``kafka`` extra.
 
-Needs the ``kafka`` extra (confluent-kafka). Any librdkafka setting passes through (``sasl.*``,
-``ssl.*``, ``linger.ms``...), but idempotence, ``acks=all`` and manual commits stay on. Secret
-settings are registered for masking; librdkafka's log lines go to the ``postbox.kafka`` logger.
-A broker away, a leader moved, a delivery timeout or a producer failed fatally is transient; a
-record refused (too large, invalid, not authorised, unknown topic) is permanent, with librdkafka's
-reason. The record key is the row's key: a key maps to one partition and keeps its order there.
+Any librdkafka setting passes through, but idempotence, ``acks=all`` and manual commits stay on;
+secret settings are masked; librdkafka's log lines go to the ``postbox.kafka`` logger. A broker
+away, a leader moved, a delivery timeout or a producer failed fatally is transient; a record
+refused (too large, invalid, not authorised, unknown topic) is permanent, with librdkafka's reason.
+The record key is the row's key: a key maps to one partition and keeps its order there.
 """
 
 from __future__ import annotations
@@ -123,18 +122,6 @@ class KafkaTransport:
         self._wait = float(self._config["message.timeout.ms"]) / 1000 + 5
         self._producer: Any = None
         self._fatal: Any = None
-
-    def check_settings(self) -> None:
-        """Make a producer with these settings now, to refuse at start what librdkafka refuses (a
-        TLS file that is not there, a bad value) rather than fail every row: ValueError saying why."""
-        from confluent_kafka import KafkaException, Producer
-
-        try:
-            producer = Producer(dict(self._config))
-        except KafkaException as error:
-            reason = error.args[0].str() if error.args and hasattr(error.args[0], "str") else str(error)
-            raise ValueError(mask_text(f"librdkafka refuses its settings: {reason}")) from None
-        producer.flush(0)
 
     def _ensure(self) -> Any:
         from confluent_kafka import Producer
@@ -406,8 +393,7 @@ def check_source(url: str, name: str) -> None:
 
 
 def source(url: str, name: str) -> KafkaSource:
-    """The bridge source of ``postbox bridge --from kafka://...``: ``name`` is the topic; the URL's
-    query gives ``group`` (default postbox-bridge), ``dead_letter_topic`` and librdkafka settings."""
+    """The bridge source of ``kafka://`` (name: the topic; query: group, dead_letter_topic, settings)."""
     hosts, query = parse_url(url)
     group = query.pop("group", "postbox-bridge")
     dead_letter_topic = query.pop("dead_letter_topic", None)
