@@ -134,10 +134,10 @@ def check_schema(url: str) -> str | None:
     problem = schema_problem(url)
     if problem is not None:
         raise SchemaNotReady(problem)
-    current = _database_revision(url)
-    if current is not None and current not in known_revisions():
+    newer = newer_revision(url)
+    if newer is not None:
         return (
-            f"schema at {current} is newer than this postbox ({head_revision()}): it keeps working with "
+            f"schema at {newer} is newer than this postbox ({head_revision()}): it keeps working with "
             "the versioned functions of its release; upgrade postbox when you can"
         )
     return None
