@@ -80,15 +80,23 @@ FAST_WORKER: dict[str, float] = {
 }
 
 
+SESSION_OF_ITS_OWN = True
+"""Processes the tests start (and stop themselves) run in a session of their own: a test that
+SIGSTOPs one must not see the kernel end it with SIGHUP because the shell that started the test
+run went away meanwhile (a stopped process in a process group that becomes orphaned gets SIGHUP
+and SIGCONT), nor a Ctrl-C meant for pytest reach it before the test stops it."""
+
+
 def spawn_postbox(*args: str, stderr: int = subprocess.DEVNULL) -> subprocess.Popen[bytes]:
     """Start ``python -m postbox ARGS`` (the ``postbox`` command) from the repository, output
-    discarded unless ``stderr=subprocess.PIPE``."""
+    discarded unless ``stderr=subprocess.PIPE``. In a session of its own (see SESSION_OF_ITS_OWN)."""
     return subprocess.Popen(
         [sys.executable, "-m", "postbox", *args],
         cwd=REPO,
         env={**os.environ, "PYTHONPATH": str(REPO)},
         stdout=subprocess.DEVNULL,
         stderr=stderr,
+        start_new_session=SESSION_OF_ITS_OWN,
     )
 
 

@@ -25,7 +25,7 @@ from tests.chaos.kafka import KafkaBrokerLog
 from tests.chaos.load import BrokerLog, ProducerLog, Producers
 from tests.chaos.pgcluster import PrivateCluster
 from tests.chaos.verdict import EFFECTS_DDL, Verdict, check
-from tests.helpers import REPO, eventually
+from tests.helpers import REPO, SESSION_OF_ITS_OWN, eventually
 from tests.kafka_broker import Tansu
 from tests.proxy import Proxy
 
@@ -75,7 +75,10 @@ class Processes:
         self.spawned += 1
         log = open(self.logdir / f"{self.name}-{self.spawned}.log", "wb")  # noqa: SIM115
         self._logs.append(log)
-        p = subprocess.Popen(self.args, env=self.env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=log)
+        p = subprocess.Popen(
+            self.args, env=self.env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=log,
+            start_new_session=SESSION_OF_ITS_OWN,  # F2 SIGSTOPs them: no SIGHUP from an orphaned group
+        )  # fmt: skip
         self._log_of[p.pid] = self.spawned
         self.release_of[p.pid] = self.env["PYTHONPATH"]
         return p
