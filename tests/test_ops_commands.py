@@ -197,6 +197,42 @@ def test_config_check_warns_of_each_secret_variable_that_is_not_set_by_its_setti
     assert "warning" not in r.stderr, r.stderr
 
 
+def test_config_check_warns_of_kafka_settings_librdkafka_refuses_here_and_the_relay_refuses_them(tmp_path):
+    """A Kafka destination whose CA file is not on this machine: config check warns, naming the
+    setting and librdkafka's reason, and still exits 0 (the file may be on the relay's machine
+    only); a relay started here with the file refuses to start (exit 2), as the warning says."""
+    text = (
+        '[destinations.events]\nkind = "kafka"\nbootstrap_servers = "127.0.0.1:1"\n'
+        '[destinations.events.settings]\n"security.protocol" = "ssl"\n"ssl.ca.location" = "/nonexistent/ca.pem"\n'
+    )
+    r = config_check(tmp_path, text)
+    valid(r)
+    assert "warning: destinations.events.settings: librdkafka refuses them here: " in r.stderr, r.stderr
+    assert "ssl.ca.location" in r.stderr and "a relay refuses to start with them" in r.stderr
+    relay = run_postbox(
+        "--config", str(tmp_path / "postbox.toml"), "--database-url", "postgresql://x@127.0.0.1:1/x", "relay"
+    )
+    assert relay.returncode == 2 and "destinations.events.settings: librdkafka refuses them" in relay.stderr
+    fixed = text.replace('"ssl.ca.location" = "/nonexistent/ca.pem"\n', "")
+    r = config_check(tmp_path, fixed)
+    valid(r)
+    assert "warning" not in r.stderr, r.stderr
+
+
+def test_a_destination_or_handler_table_without_kind_is_refused_with_the_kinds_it_takes(tmp_path):
+    """Without ``kind`` (``type`` written instead, say), the table's error names ``kind`` and its
+    values, not pydantic's "Unable to extract tag using discriminator"."""
+    r = config_check(tmp_path, '[destinations.events]\ntype = "kafka"\n')
+    refused(
+        r,
+        "destinations.events",
+        "no kind given: add kind = one of 'postgres', 'rabbitmq', 'nats', 'redis', 'kafka', 'http' (not type)",
+    )
+    assert "discriminator" not in r.stderr
+    r = config_check(tmp_path, '[consumers.billing.handlers.paid]\nfunction = "app.paid"\n')
+    refused(r, "consumers.billing.handlers.paid", "no kind given: add kind = one of 'sql', 'http'")
+
+
 def test_config_check_names_every_problem_of_a_file_in_one_run(tmp_path):
     """A bad setting, a bad retry table and a type's bad retry table of another consumer: all named
     at once (the retry tables were checked only once the rest was valid, one problem at a time)."""

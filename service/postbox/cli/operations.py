@@ -205,11 +205,17 @@ def config() -> None:
 def config_check(ctx: click.Context) -> None:
     """Print the effective configuration (environment, file, defaults; secrets masked) and exit
     non-zero with the validation errors, if any."""
-    from postbox.config.policies import check_file_retention, load_policies, missing_secrets
+    from postbox.config.policies import (
+        check_file_retention,
+        kafka_settings_problems,
+        load_policies,
+        missing_secrets,
+    )
 
     obj = ctx.find_root().ensure_object(dict)
     errors: list[str] = []
     unset: list[str] = []
+    refused: list[str] = []
     effective: dict[str, Any] = {}
     try:
         s = load_settings(obj.get("config"), database_url=obj.get("database_url"))
@@ -224,6 +230,8 @@ def config_check(ctx: click.Context) -> None:
             # Said, not refused: the file is valid, and a check (in CI, say) may run without the
             # secrets, which only the process that needs one must have.
             unset = missing_secrets(policies)
+            # The same for what librdkafka refuses here (a CA file elsewhere): the relay refuses it.
+            refused = kafka_settings_problems(policies)
     except ConfigError as error:
         errors.append(str(error))
     if effective:
@@ -232,6 +240,8 @@ def config_check(ctx: click.Context) -> None:
         click.echo(
             f"postbox: warning: {line} here: the process that needs it refuses to start without it", err=True
         )
+    for line in refused:
+        click.echo(f"postbox: warning: {line}; a relay refuses to start with them", err=True)
     if errors:
         for e in errors:
             click.echo(f"postbox: {mask_text(e)}", err=True)

@@ -37,7 +37,7 @@ from postbox.config.masking import (
     register_url_secrets,
     split_hosts,
 )
-from postbox.config.policy_models import ConsumerPolicy, DestinationConfig, PoliciesConfig
+from postbox.config.policy_models import ConsumerPolicy, DestinationConfig, HandlerConfig, PoliciesConfig
 from postbox.config.retry_tables import check_retry_tables, document_retry_problems
 from postbox.config.urls import sqlalchemy_url
 from postbox.errors import ConfigError
@@ -333,8 +333,20 @@ def _problems(error: ValidationError, origin: dict[str, str]) -> str:
         loc = ".".join(str(p) for p in e["loc"]) or "settings"
         where = origin.get(str(e["loc"][0]) if e["loc"] else "", "")
         hint = did_you_mean(str(e["loc"][-1]), _setting_names()) if e["type"] == "extra_forbidden" else ""
-        out.append(f"{loc}{f' ({where})' if where else ''}: {e['msg'].removeprefix('Value error, ')}{hint}")
+        out.append(f"{loc}{f' ({where})' if where else ''}: {_message(e)}{hint}")
     return "; ".join(out)
+
+
+def _message(e: Any) -> str:
+    """A validation error's text; a destination or handler table without ``kind`` says what it takes."""
+    if e["type"] == "union_tag_not_found":
+        union = HandlerConfig if "handlers" in e["loc"] else DestinationConfig
+        kinds = ", ".join(
+            repr(get_args(m.model_fields["kind"].annotation)[0]) for m in get_args(get_args(union)[0])
+        )
+        given = " (not type)" if isinstance(e.get("input"), dict) and "type" in e["input"] else ""
+        return f"no kind given: add kind = one of {kinds}{given}"
+    return str(e["msg"]).removeprefix("Value error, ")
 
 
 def _origins(path: Path | None, document: dict[str, Any] | None) -> dict[str, str]:
