@@ -439,7 +439,7 @@ idempotent = true
     with pytest.raises(ConfigError, match="on_dead_letter"):
         load_policies(bad)
     bad.write_text("[consumers.billing]\nretry = { base_delay = 10, max_delay = 1 }\n")
-    with pytest.raises(ConfigError, match=r"consumers\.billing\.retry\..*max_delay"):
+    with pytest.raises(ConfigError, match=r"consumers\.billing\.retry: max_delay"):
         load_policies(bad)
     bad.write_text('[consumers.billing.types."x"]\nretry = { max_attempts = 0 }\n')
     with pytest.raises(ConfigError, match=r"consumers\.billing\.types\.x\.retry\.max_attempts"):

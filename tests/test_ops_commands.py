@@ -254,6 +254,19 @@ def test_config_check_names_every_problem_of_a_file_in_one_run(tmp_path):
         "consumers.billing.retry.max_attempts",
         "consumers.stock.types.reserve.retry.base_delay",
     )
+    # A type's own mistake is named even while its consumer's table is wrong (it was named only
+    # once that was fixed), and a problem of the consumer's table is said once, not again per type.
+    same = (
+        "[consumers.billing]\nretry = { max_delay = 1, base_delay = 10 }\n"
+        "[consumers.billing.types.paid]\nretry = { max_attempts = 0 }\n"
+    )
+    r = config_check(tmp_path, same)
+    refused(
+        r,
+        "consumers.billing.retry: max_delay (1.0) must not be below base_delay (10.0)",
+        "consumers.billing.types.paid.retry.max_attempts",
+    )
+    assert r.stderr.count("must not be below") == 1, r.stderr
 
 
 def test_status_watch_prints_one_json_object_a_line_and_ctrl_c_ends_it_with_status_0(database):

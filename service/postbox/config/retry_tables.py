@@ -31,8 +31,9 @@ def check_retry_tables(consumers: Mapping[str, ConsumerPolicy], destinations: Ma
 
 def document_retry_problems(document: dict[str, Any] | None) -> list[str]:
     """The problems of the retry tables of a file as written (its other problems aside): each
-    consumer's and destination's, and each type's merged over its consumer's (unless the consumer's
-    own is wrong: that is said once)."""
+    consumer's and destination's, and each type's merged over its consumer's. Where the consumer's
+    own table is wrong, that is said once, and of its types' tables only what their own settings
+    get wrong is said (merged over the rest of the consumer's)."""
     problems: list[str] = []
     for section in ("consumers", "destinations"):
         entries = (document or {}).get(section)
@@ -40,26 +41,37 @@ def document_retry_problems(document: dict[str, Any] | None) -> list[str]:
             base = entry.get("retry") or {} if isinstance(entry, dict) else None
             if not isinstance(base, dict):
                 continue  # not a table: the model's validation names it
-            problem = _problem(f"{section}.{name}.retry.", base)
-            if problem is not None:
-                problems.append(problem)
-                continue
+            errors = _errors(base)
+            problems += _said(f"{section}.{name}.retry", errors)
+            base = {k: v for k, v in base.items() if k not in {str(e["loc"][0]) for e in errors if e["loc"]}}
             types = entry.get("types") if section == "consumers" else None
             for type_, policy in (types if isinstance(types, dict) else {}).items():
                 over = policy.get("retry") if isinstance(policy, dict) else None
                 if isinstance(over, dict) and over:
-                    problem = _problem(f"{section}.{name}.types.{type_}.retry.", {**base, **over})
-                    problems += [problem] if problem is not None else []
+                    found = _errors({**base, **over})
+                    if errors:  # the consumer's own problems are said: only the type's settings' here
+                        found = [e for e in found if e["loc"] and str(e["loc"][0]) in over]
+                    problems += _said(f"{section}.{name}.types.{type_}.retry", found)
     return problems
 
 
-def _problem(where: str, table: dict[str, Any]) -> str | None:
-    """What is wrong with ``table`` as a retry policy, each problem named under ``where``."""
+def _errors(table: dict[str, Any]) -> list[Any]:
+    """What is wrong with ``table`` as a retry policy: pydantic's errors, located by setting (none
+    for a problem of the table as a whole)."""
     try:
         RetryPolicy(**table)
     except ValidationError as error:
-        return "; ".join(
-            f"{where}{'.'.join(str(p) for p in e['loc'])}: {e['msg'].removeprefix('Value error, ')}"
-            for e in error.errors()
+        return list(error.errors())
+    return []
+
+
+def _said(where: str, errors: list[Any]) -> list[str]:
+    """``errors`` as one problem named under ``where`` (none if there are none)."""
+    if not errors:
+        return []
+    return [
+        "; ".join(
+            f"{'.'.join([where, *(str(p) for p in e['loc'])])}: {e['msg'].removeprefix('Value error, ')}"
+            for e in errors
         )
-    return None
+    ]
