@@ -277,6 +277,62 @@ def test_async_handlers_and_sqlalchemy_session_commit_with_the_message(effects_d
     )
 
 
+def test_a_handler_closing_ctx_session_keeps_its_writes_with_the_message(effects_db):
+    """``with ctx.session as s:`` (which closes the session), ``ctx.session.close()`` and an async
+    ``async with ctx.session``: the writes commit with the message. A session's own close rolled
+    its savepoint back, and the message was marked done without its effects. A handler that fails
+    after closing its session still leaves nothing."""
+    from sqlalchemy import text
+
+    url = effects_db.url
+    reg = Registry()
+    insert = text("INSERT INTO effects (message_id, key, attempt) VALUES (:m, :k, :a)")
+
+    def row(m):
+        return {"m": m.message_id, "k": m.key, "a": m.attempt}
+
+    @reg.handler("c", "with")
+    def with_block(m, ctx):
+        with ctx.session as s:
+            s.execute(insert, row(m))
+
+    @reg.handler("c", "close")
+    def closes(m, ctx):
+        ctx.session.execute(insert, row(m))
+        ctx.session.close()
+        ctx.session.execute(insert, {**row(m), "m": m.message_id + "-again"})  # usable again
+
+    @reg.handler("c", "async")
+    async def async_with(m, ctx):
+        async with ctx.session as s:
+            await s.execute(insert, row(m))
+
+    @reg.handler("c", "fails", retry=RetryPolicy(max_attempts=1))
+    def fails_after(m, ctx):
+        with ctx.session as s:
+            s.execute(insert, row(m))
+        raise Permanent("after its session closed")
+
+    produce(
+        url,
+        [
+            {"consumer": "c", "message_id": t, "type": t, "payload": {}}
+            for t in ("with", "close", "async", "fails")
+        ],
+    )
+    w = start(url, reg)
+    try:
+        eventually(lambda: drained(url))
+    finally:
+        w.stop()
+        w.join()
+    assert (
+        scalar(url, "SELECT string_agg(message_id, ',' ORDER BY message_id) FROM effects")
+        == "async,close,close-again,with"
+    )
+    assert scalar(url, "SELECT string_agg(message_id, ',') FROM postbox.dead_letters") == "fails"
+
+
 def test_stop_finishes_in_flight_work_and_releases_nothing_claimed(effects_db):
     """stop() during a long handler: it finishes within the grace period; nothing stays claimed."""
     url = effects_db.url

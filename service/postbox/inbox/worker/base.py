@@ -31,9 +31,30 @@ from postbox.values import from_json
 if TYPE_CHECKING:
     from postbox.inbox.worker.worker import Worker
 
-__all__ = ["SlotBase"]
+__all__ = ["JoinedAsyncSession", "JoinedSession", "SlotBase"]
 
 log = logging.getLogger("postbox.worker")
+
+
+class JoinedSession(Session):
+    """``ctx.session``: a Session joined to the message's transaction, in a savepoint of its own.
+    Closed by the handler (``with ctx.session as s:`` closes it too), it keeps its work, as the end
+    of the handler does: a Session's own close rolls its savepoint back, and the message would be
+    marked done without its effects. The worker discards one with ``Session.close``."""
+
+    def close(self) -> None:
+        if self.in_transaction():
+            self.commit()  # a savepoint released: the work joins the message's transaction
+        super().close()
+
+
+class JoinedAsyncSession(AsyncSession):
+    """:class:`JoinedSession` for an async handler's ``ctx.session``."""
+
+    async def close(self) -> None:
+        if self.in_transaction():
+            await self.commit()
+        await super().close()
 
 
 class SlotBase:
@@ -175,7 +196,7 @@ class SlotBase:
         if self._sa is None:
             sa_conn = self._engine.connect()
             self._sa = (sa_conn, sa_conn.begin())
-        return Session(bind=self._sa[0], join_transaction_mode="create_savepoint")
+        return JoinedSession(bind=self._sa[0], join_transaction_mode="create_savepoint")
 
     async def _async_session_factory(self) -> AsyncSession:
         """An AsyncSession joined to this slot's open transaction (savepoints for its commits)."""
@@ -183,7 +204,7 @@ class SlotBase:
         if self._asa is None:
             sa_conn = await self._async_engine.connect()
             self._asa = (sa_conn, await sa_conn.begin())
-        return AsyncSession(bind=self._asa[0], join_transaction_mode="create_savepoint")
+        return JoinedAsyncSession(bind=self._asa[0], join_transaction_mode="create_savepoint")
 
     # --- ending the batch's transaction ------------------------------------------------------
 

@@ -21,6 +21,8 @@ from collections.abc import Callable
 from typing import Any
 
 import psycopg
+from sqlalchemy.ext.asyncio import AsyncSession
+from sqlalchemy.orm import Session
 
 from postbox.failures.outcomes import Permanent
 from postbox.inbox.connection import AsyncHandlerConnection, HandlerConnection, HandlerEndedTransaction
@@ -117,9 +119,9 @@ class Executor(SlotBase):
             ctx._close_session()
             return result
 
-        def close() -> None:
+        def close() -> None:  # its work undone (the handler failed): not the session's own close
             if ctx._session is not None:
-                ctx._session.close()
+                Session.close(ctx._session)
 
         return self._guarded(call, close, [self.conn], timeout)
 
@@ -142,7 +144,7 @@ class Executor(SlotBase):
 
         def close() -> None:
             if ctx._session is not None:
-                loop.run_until_complete(ctx._session.close())
+                loop.run_until_complete(AsyncSession.close(ctx._session))
 
         return self._guarded(call, close, [self.conn, self.aconn], timeout)
 
