@@ -299,6 +299,51 @@ def test_a_base_exception_in_a_handler_fails_its_attempt_and_the_slot_goes_on(db
     assert effects(db.url) == {"bad": [2], "a": [1], "b": [1], "later": [1]}
 
 
+@pytest.mark.parametrize(
+    ("misbehaviour", "error_type", "kind"),
+    [("retry_nan", "ValueError", "permanent"), ("unprintable", "Unprintable", "transient"),
+     ("unruly", "Unruly", "transient")],
+)  # fmt: skip
+def test_an_error_that_is_hard_to_classify_fails_its_own_attempt_only(db, misbehaviour, error_type, kind):
+    """Retry(after=nan), an exception whose str() raises, a registry rule whose predicate raises:
+    each failed the slot while it classified the error, leaving the whole batch claimed until its
+    lease ran out, then counted against every message of it. Now the attempt is recorded against
+    its own message, and its neighbours are done at once."""
+    produce(db.url, ("bad", {"do": misbehaviour, "only_attempt": 1}), ("a", {}), ("b", {}))
+    p = spawn(db.url)
+    try:
+        eventually(lambda: live(db.url) == 0, what="batch settled", timeout=20)
+    finally:
+        assert stop(p) == 0
+    assert [a[:3] for a in attempts(db.url, "bad")] == [(1, kind, error_type)]
+    if kind == "transient":  # retried, and done
+        assert effects(db.url) == {"bad": [2], "a": [1], "b": [1]}
+        assert dead(db.url) == {}
+    else:  # a ValueError: dead-lettered at once
+        assert effects(db.url) == {"a": [1], "b": [1]}
+        assert dead(db.url) == {"bad": ("permanent", 1)}
+
+
+@pytest.mark.parametrize("misbehaviour", ["set_role", "read_only"])
+def test_a_handler_that_leaves_its_transaction_unable_to_complete_fails_its_own_attempts(db, misbehaviour):
+    """A handler whose SET LOCAL (a role without Postbox's grants, a read-only transaction) makes the
+    batch's completion fail: the batch was given back untouched, claimed again and run again, without
+    end (its attempts never counted, its neighbours never done). Now the batch runs again a message
+    at a time; the culprit's attempts fail with the completion's error until it is dead-lettered,
+    and every other message is done once."""
+    produce(db.url, ("a", {}), ("bad", {"do": misbehaviour}), ("b", {}))
+    p = spawn(db.url)
+    try:
+        eventually(lambda: live(db.url) == 0, what="batch settled", timeout=30)
+    finally:
+        assert stop(p) == 0
+    got = effects(db.url)
+    assert got["a"] == [1] and got["b"] == [1] and "bad" not in got  # its effects never committed
+    failed = attempts(db.url, "bad")
+    assert failed and {a[2] for a in failed} <= {"InsufficientPrivilege", "ReadOnlySqlTransaction"}
+    assert dead(db.url)["bad"][0] in ("attempts_exhausted", "permanent")
+
+
 def test_a_task_an_async_handler_leaves_running_never_writes_into_another_message(db):
     """A fire-and-forget task from an async handler is cancelled when the handler returns: it cannot
     write into the next message's transaction."""

@@ -17,6 +17,9 @@ from typing import Any
 
 import psycopg
 
+from postbox.failures.classify import Rule
+from postbox.failures.outcomes import Retry
+from postbox.failures.policy import FailureKind
 from postbox.inbox.handlers import AsyncContext, Context, Message, Registry
 from tests.helpers import record_effect
 
@@ -24,6 +27,22 @@ CONSUMER = "mis"
 
 registry = Registry()
 _tasks: set[asyncio.Task[None]] = set()
+
+
+class Unprintable(Exception):
+    def __str__(self) -> str:
+        raise RuntimeError("this exception cannot be printed")
+
+
+class Unruly(Exception):
+    pass
+
+
+def _unruly(error: BaseException) -> bool:
+    raise RuntimeError("a classification rule with a bug")
+
+
+registry.rules.append(Rule(FailureKind.PERMANENT, exceptions=(Unruly,), predicate=_unruly, name="unruly"))
 
 
 def _misbehave(message: Message, ctx: Context) -> None:
@@ -67,6 +86,16 @@ def _misbehave(message: Message, ctx: Context) -> None:
         case "swallow_error":
             with contextlib.suppress(psycopg.Error):
                 ctx.conn.execute("SELECT 1 / 0")
+        case "retry_nan":  # Retry refuses a NaN delay: the handler fails with that ValueError
+            raise Retry(after=float("nan"))
+        case "unprintable":
+            raise Unprintable
+        case "unruly":  # the registry's rule for it raises while classifying it
+            raise Unruly("no rule can say what this is")
+        case "set_role":  # the completion then runs as a role that may not touch postbox
+            ctx.conn.execute("SET LOCAL ROLE pg_monitor")
+        case "read_only":  # the completion's writes are then refused
+            ctx.conn.execute("SET LOCAL transaction_read_only = on")
         case "exit":
             raise SystemExit(3)
         case "keyboard_interrupt":
@@ -168,6 +197,16 @@ async def handle_async(message: Message, ctx: AsyncContext) -> None:
             await ctx.conn.commit()
         case "sql_commit":
             await ctx.conn.execute("COMMIT")
+        case "retry_nan":  # Retry refuses a NaN delay: the handler fails with that ValueError
+            raise Retry(after=float("nan"))
+        case "unprintable":
+            raise Unprintable
+        case "unruly":  # the registry's rule for it raises while classifying it
+            raise Unruly("no rule can say what this is")
+        case "set_role":  # the completion then runs as a role that may not touch postbox
+            ctx.conn.execute("SET LOCAL ROLE pg_monitor")
+        case "read_only":  # the completion's writes are then refused
+            ctx.conn.execute("SET LOCAL transaction_read_only = on")
         case "exit":
             raise SystemExit(3)
         case "keyboard_interrupt":

@@ -3,6 +3,7 @@ permanent or unknown outcome. User rules come first; the first rule that matches
 
 from __future__ import annotations
 
+import logging
 import re
 import traceback
 from collections.abc import Callable, Iterable, Sequence
@@ -13,6 +14,8 @@ from pydantic import ValidationError
 from postbox.config.settings import mask_text
 from postbox.failures.outcomes import Outcome, Permanent, Retry, UnknownOutcome
 from postbox.failures.policy import FailureKind
+
+log = logging.getLogger("postbox.worker")
 
 __all__ = [
     "DEFAULT_RULES",
@@ -68,15 +71,16 @@ def retry_after_of(error: BaseException) -> float | None:
     """Seconds from a ``Retry-After`` header (delta-seconds form) or a ``retry_after`` attribute."""
     value = getattr(error, "retry_after", None)
     if isinstance(value, int | float):
-        return float(value)
+        return float(value) if value >= 0 else None  # not NaN, nor negative
     headers = getattr(error, "headers", None) or getattr(getattr(error, "response", None), "headers", None)
     if headers is not None:
         raw = headers.get("Retry-After") or headers.get("retry-after")
         if raw is not None:
             try:
-                return max(0.0, float(str(raw).strip()))
+                seconds = float(str(raw).strip())
             except ValueError:
                 return None
+            return max(0.0, seconds) if seconds == seconds else None  # NaN is no delay
     return None
 
 
@@ -156,7 +160,7 @@ class Classifier:
     def classify(self, error: BaseException) -> Classification:
         tb = mask_text("".join(traceback.format_exception(error)))
         error_type = type(error).__name__
-        message = mask_text(str(error) or error_type)
+        message = mask_text(_text(error) or error_type)
         if isinstance(error, Outcome):
             kind = (
                 FailureKind.PERMANENT
@@ -168,10 +172,28 @@ class Classifier:
             after = error.after if isinstance(error, Retry) else None
             return Classification(kind, error_type, message, tb, after, "explicit outcome")
         for rule in (*self.rules, *DEFAULT_RULES):
-            if rule.matches(error):
+            if _matches(rule, error):
                 after = retry_after_of(error) if rule.kind is FailureKind.TRANSIENT else None
                 return Classification(rule.kind, error_type, message, tb, after, rule.name)
         return Classification(self.default, error_type, message, tb, None, "default")
+
+
+def _text(error: BaseException) -> str:
+    """``str(error)``, or what says it failed: an exception whose ``__str__`` raises is classified too."""
+    try:
+        return str(error)
+    except Exception as broken:
+        return f"<str() of this {type(error).__name__} raised {type(broken).__name__}: {broken!r}>"
+
+
+def _matches(rule: Rule, error: BaseException) -> bool:
+    """Whether ``rule`` matches ``error``; a rule whose predicate raises does not (and is logged):
+    a rule's bug must not keep the attempt from being recorded."""
+    try:
+        return rule.matches(error)
+    except Exception:
+        log.warning("the classification rule %r raised; taken as not matching", rule.name or rule, exc_info=True)
+        return False
 
 
 _NUMBERS = re.compile(r"\b\d+(\.\d+)?\b|0x[0-9a-f]+", re.IGNORECASE)

@@ -25,8 +25,8 @@ class Retry(Transient):
     """Failed transiently; try again after ``after`` seconds (for example a ``Retry-After``)."""
 
     def __init__(self, after: float, reason: str = "") -> None:
-        if after < 0:
-            raise ValueError("Retry(after=...) must not be negative")
+        if not after >= 0:  # NaN too: no delay can be made of it
+            raise ValueError(f"Retry(after=...) must be a number of seconds, not negative: {after!r}")
         self.after = after
         super().__init__(reason or f"retry requested in {after:g} s")
 

@@ -167,7 +167,7 @@ class Completer(SlotBase):
         explicit_delay: float | None = None,
     ) -> Failure:
         spec = self.worker.registry.lookup(message.consumer, message.type)
-        classification = self.worker.classifier.classify(error)
+        classification = self._classified(error)
         now = self.worker.clock.now()
         if isinstance(error, HandlerEndedTransaction):
             decision: RetryAt | DeadLetter = DeadLetter(
@@ -209,6 +209,19 @@ class Completer(SlotBase):
         return Failure(
             message, decision, classification, spec.on_dead_letter if spec else None, duration_ms, kind
         )
+
+    def _classified(self, error: BaseException) -> Classification:
+        """The error's classification; if classifying it fails (a bug, in a rule or here), a
+        transient failure that says so: the attempt is recorded against its own message either
+        way, rather than the slot failing with the batch claimed."""
+        try:
+            return self.worker.classifier.classify(error)
+        except Exception as bug:
+            log.exception("slot %s: classifying a handler's %s failed", self.index, type(error).__name__)
+            return Classification(
+                FailureKind.TRANSIENT, type(error).__name__,
+                f"postbox could not classify this error ({type(bug).__name__}: {bug})", "", None, "unclassifiable",
+            )  # fmt: skip
 
     def _exhausted(self, message: Message, policy: RetryPolicy) -> Failure:
         text = message.last_error or "worker died during the attempt"
