@@ -4,6 +4,7 @@ permanent or unknown outcome. User rules come first; the first rule that matches
 from __future__ import annotations
 
 import logging
+import math
 import re
 import traceback
 from collections.abc import Callable, Iterable, Sequence
@@ -80,7 +81,7 @@ def retry_after_of(error: BaseException) -> float | None:
                 seconds = float(str(raw).strip())
             except ValueError:
                 return None
-            return max(0.0, seconds) if seconds == seconds else None  # NaN is no delay
+            return None if math.isnan(seconds) else max(0.0, seconds)  # NaN is no delay
     return None
 
 
