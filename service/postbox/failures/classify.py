@@ -193,7 +193,9 @@ def _matches(rule: Rule, error: BaseException) -> bool:
     try:
         return rule.matches(error)
     except Exception:
-        log.warning("the classification rule %r raised; taken as not matching", rule.name or rule, exc_info=True)
+        log.warning(
+            "the classification rule %r raised; taken as not matching", rule.name or rule, exc_info=True
+        )
         return False
 
 
