@@ -324,13 +324,18 @@ def test_an_error_that_is_hard_to_classify_fails_its_own_attempt_only(db, misbeh
         assert dead(db.url) == {"bad": ("permanent", 1)}
 
 
-@pytest.mark.parametrize("misbehaviour", ["set_role", "read_only"])
+@pytest.mark.parametrize("misbehaviour", ["set_role", "deferred_violation"])
 def test_a_handler_that_leaves_its_transaction_unable_to_complete_fails_its_own_attempts(db, misbehaviour):
-    """A handler whose SET LOCAL (a role without Postbox's grants, a read-only transaction) makes the
-    batch's completion fail: the batch was given back untouched, claimed again and run again, without
-    end (its attempts never counted, its neighbours never done). Now the batch runs again a message
-    at a time; the culprit's attempts fail with the completion's error until it is dead-lettered,
-    and every other message is done once."""
+    """A handler that makes the batch's completion or commit fail (``SET LOCAL ROLE`` to a role
+    without Postbox's grants; a row breaking a constraint checked at commit): the batch was given
+    back untouched, claimed again and run again, without end (no attempt counted, its neighbours
+    never done). Now the batch runs again a message at a time; the culprit's attempts fail with
+    that error until it is dead-lettered, and every other message is done once."""
+    with psycopg.connect(db.url, autocommit=True) as c:
+        c.execute(
+            "CREATE TABLE deferred_parents (id int PRIMARY KEY);"
+            "CREATE TABLE deferred_children (parent int REFERENCES deferred_parents DEFERRABLE INITIALLY DEFERRED)"
+        )
     produce(db.url, ("a", {}), ("bad", {"do": misbehaviour}), ("b", {}))
     p = spawn(db.url)
     try:
@@ -340,7 +345,7 @@ def test_a_handler_that_leaves_its_transaction_unable_to_complete_fails_its_own_
     got = effects(db.url)
     assert got["a"] == [1] and got["b"] == [1] and "bad" not in got  # its effects never committed
     failed = attempts(db.url, "bad")
-    assert failed and {a[2] for a in failed} <= {"InsufficientPrivilege", "ReadOnlySqlTransaction"}
+    assert failed and {a[2] for a in failed} <= {"InsufficientPrivilege", "ForeignKeyViolation"}
     assert dead(db.url)["bad"][0] in ("attempts_exhausted", "permanent")
 
 

@@ -94,8 +94,8 @@ def _misbehave(message: Message, ctx: Context) -> None:
             raise Unruly("no rule can say what this is")
         case "set_role":  # the completion then runs as a role that may not touch postbox
             ctx.conn.execute("SET LOCAL ROLE pg_monitor")
-        case "read_only":  # the completion's writes are then refused
-            ctx.conn.execute("SET LOCAL transaction_read_only = on")
+        case "deferred_violation":  # a constraint checked at commit: the batch's commit fails
+            ctx.conn.execute("INSERT INTO deferred_children (parent) VALUES (-1)")
         case "exit":
             raise SystemExit(3)
         case "keyboard_interrupt":
@@ -205,8 +205,8 @@ async def handle_async(message: Message, ctx: AsyncContext) -> None:
             raise Unruly("no rule can say what this is")
         case "set_role":  # the completion then runs as a role that may not touch postbox
             ctx.conn.execute("SET LOCAL ROLE pg_monitor")
-        case "read_only":  # the completion's writes are then refused
-            ctx.conn.execute("SET LOCAL transaction_read_only = on")
+        case "deferred_violation":  # a constraint checked at commit: the batch's commit fails
+            ctx.conn.execute("INSERT INTO deferred_children (parent) VALUES (-1)")
         case "exit":
             raise SystemExit(3)
         case "keyboard_interrupt":

@@ -84,6 +84,9 @@ class SlotBase:
         self._sa: tuple[SAConnection, RootTransaction] | None = None
         self._asa: tuple[SAAsyncConnection, AsyncTransaction] | None = None
         self._durations: dict[int, float] = {}
+        # Claims still to make one message at a time, after a batch that could not be completed
+        # (Slot._process): each then answers for itself.
+        self._solo = 0
         self._has_async = any(
             inspect.iscoroutinefunction(spec.func)
             for (consumer, _), spec in worker.registry.handlers.items()

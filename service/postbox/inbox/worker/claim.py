@@ -52,7 +52,7 @@ class ClaimLoop(SlotBase):
         """Claim and process one batch, or wait for work."""
         generation = self.worker.wakeup.generation
         try:
-            limit = self.worker.breaker.claim_limit(self.settings.batch_size)
+            limit = self.worker.breaker.claim_limit(1 if self._solo else self.settings.batch_size)
             if limit == 0:  # circuit open: wait for the next probe
                 self.worker._stopping.wait(min(self.settings.poll_interval, 0.5))
                 return
@@ -85,6 +85,8 @@ class ClaimLoop(SlotBase):
              "lease": self.settings.lease_seconds, "now": self.worker.clock.now()},
         )  # fmt: skip
         batch = [message_from_row(r) for r in rows]
+        if batch and self._solo:
+            self._solo -= 1
         metrics.record_claim(self.settings.consumer, batch, time.monotonic() - started)
         if batch:
             self.worker._emit("claimed", ids=[m.id for m in batch])

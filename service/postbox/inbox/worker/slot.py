@@ -29,6 +29,9 @@ __all__ = ["Slot"]
 
 log = logging.getLogger("postbox.worker")
 
+# A batch whose transaction fails with these is given back as it is: a retry may well succeed.
+_RETRY_AS_IS = frozenset({"40001", "40P01"})  # serialization failure, deadlock detected
+
 
 class Slot(ClaimLoop, Executor, Completer):
     """One claim-and-process loop with its own connection."""
@@ -57,15 +60,35 @@ class Slot(ClaimLoop, Executor, Completer):
             raise
         except psycopg.Error as error:
             self._check_abandoned()
-            # The batch's transaction failed as a whole (a serialization failure, a constraint
-            # checked at commit): nothing of it committed. Give every message back untouched;
-            # they are claimed again at once.
-            log.warning("slot %s: batch rolled back (%s); releasing it", self.index, error)
             self._rollback()
-            self._release(messages)
-            self.worker._emit("batch_failed", ids=[m.id for m in messages], error=str(error))
+            self._settle_refused(batch, error)
         finally:
             self.batch = None
+
+    def _settle_refused(self, batch: Batch, error: psycopg.Error) -> None:
+        """The batch's transaction failed as a whole and is rolled back: nothing of it committed.
+        A serialization failure or a deadlock gives every message back untouched, claimed again at
+        once. Anything else may be a handler's doing that a retry would repeat without end (a
+        ``SET LOCAL ROLE`` or ``transaction_read_only`` that the completion then trips on): the
+        messages are given back untouched too, and this slot's next claims take them one at a
+        time; a message whose own transaction fails so, after its handler ran, fails its attempt
+        with that error (retried, then dead-lettered), and the others are done."""
+        messages = batch.messages
+        ran = [m for m in (*batch.done, *(f.message for f in batch.failures)) if m is messages[0]]
+        if len(messages) == 1 and ran and error.sqlstate not in _RETRY_AS_IS:
+            log.warning(
+                "slot %s: the transaction of message %s could not be completed after its handler ran "
+                "(%s: %s; did the handler change its role or a setting with SET?); the attempt fails",
+                self.index, messages[0].message_id, type(error).__name__, error,
+                extra=log_fields(messages[0], type(error).__name__, event="completion_refused"),
+            )  # fmt: skip
+            self._finish([], [self._failure(messages[0], error)], [])
+            return
+        log.warning("slot %s: batch rolled back (%s); releasing it", self.index, error)
+        self._release(messages)
+        if len(messages) > 1 and error.sqlstate not in _RETRY_AS_IS:
+            self._solo = max(self._solo, len(messages))
+        self.worker._emit("batch_failed", ids=[m.id for m in messages], error=str(error))
 
     def _run_batch(self, batch: Batch) -> None:
         """Run the batch's messages in order, each in its savepoint; the messages of a batch
