@@ -173,6 +173,54 @@ def test_a_new_message_never_overtakes_messages_waiting_for_repair(database):
 # --- every connection kind -------------------------------------------------------------------
 
 
+def test_a_connection_with_a_row_factory_or_in_a_pipeline_gets_its_results(database):
+    """A psycopg connection made with ``row_factory=dict_row``, and one in pipeline mode: receive,
+    receive_many, publish and publish_many return their results (dict_row raised a KeyError after the
+    statement had run; in a pipeline, receive_many returned [] and receive raised, the rows written),
+    sync and async; a refusal in a pipeline still names its field."""
+    from psycopg.rows import dict_row
+
+    def check(c, tag):
+        assert postbox.receive(c, consumer="c", message_id=f"{tag}1", payload={}).is_new
+        assert [r.status for r in postbox.receive_many(c, [
+            {"consumer": "c", "message_id": f"{tag}1", "payload": {}},
+            {"consumer": "c", "message_id": f"{tag}2", "payload": {}},
+        ])] == [ReceiveStatus.DUPLICATE, ReceiveStatus.NEW]  # fmt: skip
+        assert isinstance(postbox.publish(c, destination="d", payload={}), int)
+        assert len(postbox.publish_many(c, [{"destination": "d", "payload": i} for i in range(3)])) == 3
+
+    with psycopg.connect(database.url, row_factory=dict_row) as c:
+        check(c, "dict")
+        c.commit()
+    with psycopg.connect(database.url) as c:
+        with c.pipeline():
+            check(c, "pipe")
+        c.commit()
+        with pytest.raises(InvalidMessage) as refused, c.pipeline():
+            postbox.receive(c, consumer="c", message_id="bad", payload={}, sequence=-1)
+        assert refused.value.field == "sequence"
+
+    async def check_async(tag, **kw):
+        async with await psycopg.AsyncConnection.connect(database.url, **kw) as c:
+            if kw:
+                assert (await postbox.receive_async(c, consumer="c", message_id=f"{tag}1", payload={})).is_new
+            else:
+                async with c.pipeline():
+                    assert (
+                        await postbox.receive_async(c, consumer="c", message_id=f"{tag}1", payload={})
+                    ).is_new
+                    results = await postbox.receive_many_async(
+                        c, [{"consumer": "c", "message_id": f"{tag}2", "payload": {}}]
+                    )
+                    assert [r.status for r in results] == [ReceiveStatus.NEW]
+            await c.commit()
+
+    asyncio.run(check_async("adict", row_factory=dict_row))
+    asyncio.run(check_async("apipe"))
+    with database.connect() as c:
+        assert count(c, "inbox") == 7 and count(c, "outbox") == 8
+
+
 def test_sqlalchemy_session_and_connection(database):
     """receive/publish work on a SQLAlchemy Session and Connection, inside their transactions."""
     engine = create_engine(sqlalchemy_url(database.url))

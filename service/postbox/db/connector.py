@@ -14,7 +14,7 @@ from functools import cache
 from typing import Any
 
 import psycopg
-from psycopg.rows import dict_row
+from psycopg.rows import dict_row, tuple_row
 from sqlalchemy import text
 from sqlalchemy.engine import Connection as SAConnection
 from sqlalchemy.exc import DBAPIError
@@ -68,7 +68,12 @@ def run(conn: AnySyncConnection, q: Query, params: dict[str, Any]) -> Rows:
     """Execute ``q`` (a query that returns rows) with ``params`` on ``conn``; all its rows."""
     with _translated():
         if isinstance(conn, psycopg.Connection):
-            cur = conn.execute(q.psycopg, params)
+            if conn.row_factory is tuple_row:
+                cur = conn.execute(q.psycopg, params)
+            else:  # rows as tuples, whatever the caller's connection makes of its own
+                cur = conn.cursor(row_factory=tuple_row).execute(q.psycopg, params)
+            if cur.pgresult is None and conn.info.pipeline_status is not _PIPELINE_OFF:
+                return cur.fetchall()  # in the caller's pipeline: the results come with a sync
             # The result's status, not cur.description (which builds a Column per column each call).
             return cur.fetchall() if _has_rows(cur.pgresult) else []
         if isinstance(conn, Session | SAConnection):
@@ -78,6 +83,7 @@ def run(conn: AnySyncConnection, q: Query, params: dict[str, Any]) -> Rows:
 
 
 _TUPLES_OK = psycopg.pq.ExecStatus.TUPLES_OK
+_PIPELINE_OFF = psycopg.pq.PipelineStatus.OFF
 
 
 def int_array(values: Sequence[int | None]) -> str:
@@ -116,8 +122,13 @@ async def run_async(conn: AnyAsyncConnection, q: Query, params: dict[str, Any]) 
     """Async twin of :func:`run`: the same query text, awaited."""
     with _translated():
         if isinstance(conn, psycopg.AsyncConnection):
-            cur = await conn.execute(q.psycopg, params)
-            return await cur.fetchall() if _has_rows(cur.pgresult) else []
+            if conn.row_factory is tuple_row:
+                acur = await conn.execute(q.psycopg, params)
+            else:
+                acur = await conn.cursor(row_factory=tuple_row).execute(q.psycopg, params)
+            if acur.pgresult is None and conn.info.pipeline_status is not _PIPELINE_OFF:
+                return await acur.fetchall()
+            return await acur.fetchall() if _has_rows(acur.pgresult) else []
         if isinstance(conn, AsyncSession | SAAsyncConnection):
             result = await conn.execute(text(q.text), params)
             return [tuple(r) for r in result.all()]
