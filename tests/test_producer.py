@@ -276,6 +276,38 @@ def test_async_psycopg_and_sqlalchemy(database):
         assert count(c, "inbox") == 3 and count(c, "outbox") == 1
 
 
+def test_refusals_through_sqlalchemys_asyncpg_driver_name_their_field(database):
+    """Through SQLAlchemy with asyncpg, what only the server refuses (an undeclared consumer, a
+    sequence a sequenced consumer needs) raises InvalidMessage naming the field, as with psycopg
+    (it raised SQLAlchemy's DBAPIError)."""
+    from sqlalchemy.ext.asyncio import AsyncSession
+
+    with database.connect() as c:
+        postbox.declare_consumer(c, "ledger", sequence_mode="monotonic")
+        c.commit()
+    url = sqlalchemy_url(database.url).replace("postgresql+psycopg://", "postgresql+asyncpg://", 1)
+
+    async def scenario() -> None:
+        engine = create_async_engine(url)
+        try:
+            for fields, field in (({"consumer": "nobody"}, "consumer"), ({"consumer": "ledger"}, "sequence")):
+                async with AsyncSession(engine) as session:
+                    with pytest.raises(InvalidMessage) as refused:
+                        await postbox.receive_async(session, message_id="m", payload={}, **fields)
+                    assert refused.value.field == field
+            async with AsyncSession(engine) as session:
+                assert (
+                    await postbox.receive_async(
+                        session, consumer="ledger", message_id="m", payload={}, sequence=1
+                    )
+                ).is_new
+                await session.commit()
+        finally:
+            await engine.dispose()
+
+    asyncio.run(scenario())
+
+
 # --- bad input -------------------------------------------------------------------------------
 
 BAD = [

@@ -49,6 +49,10 @@ def _diag(error: BaseException) -> tuple[str | None, str | None, str]:
     sqlstate = getattr(orig, "sqlstate", None) or getattr(orig, "pgcode", None)
     column = getattr(diag, "column_name", None) if diag is not None else None
     primary = getattr(diag, "message_primary", None) if diag is not None else None
+    if diag is None:  # asyncpg through SQLAlchemy: the driver's own error has the fields
+        driver = getattr(orig, "driver_exception", None) or orig.__cause__
+        column = getattr(driver, "column_name", None)
+        primary = getattr(driver, "message", None)
     return sqlstate, column, primary or str(orig)
 
 
