@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import re
 import threading
 import unicodedata
 
@@ -306,6 +307,31 @@ def test_refusals_through_sqlalchemys_asyncpg_driver_name_their_field(database):
             await engine.dispose()
 
     asyncio.run(scenario())
+
+
+def test_one_message_may_be_a_dict_and_a_wrong_argument_says_what_to_pass(database):
+    """receive/publish take the message as a dict too, as the batches do (they raised AttributeError:
+    'dict' object has no attribute 'batch_item'); a batch given one dict, None or a text says to pass
+    a list (it said "messages[0] is a str", or raised a bare TypeError)."""
+    with database.connect() as c:
+        assert postbox.receive(c, {"consumer": "c", "message_id": "d1", "payload": {}, "key": "k"}).is_new
+        assert postbox.receive(c, consumer="c", message_id="d1", payload={}, key="k").is_duplicate
+        assert isinstance(postbox.publish(c, {"destination": "d", "payload": 1}), int)
+        with pytest.raises(InvalidMessage) as refused:
+            postbox.receive(c, {"consumer": "c", "message_id": "d2", "payload": {}, "kye": "k"})
+        assert refused.value.field == "kye"
+        for call, text in (
+            (lambda: postbox.receive(c, "d3"), "pass an InboxMessage, a dict or the message's fields as keywords, not a str"),
+            (lambda: postbox.receive(c, {"consumer": "c"}, message_id="x"), "either a message or its fields"),
+            (lambda: postbox.receive_many(c, {"consumer": "c", "message_id": "x", "payload": 1}),
+             "pass a list of messages (InboxMessages or dicts), not a dict: for one message, the function without _many"),
+            (lambda: postbox.receive_many(c, None), "not a NoneType"),
+            (lambda: postbox.publish_many(c, "abc"), "pass a list of messages (OutboxMessages or dicts), not a str"),
+        ):  # fmt: skip
+            with pytest.raises(TypeError, match=re.escape(text)):
+                call()
+        c.commit()
+        assert count(c, "inbox") == 1 and count(c, "outbox") == 1
 
 
 # --- bad input -------------------------------------------------------------------------------

@@ -131,7 +131,15 @@ def checked(
     if message is not None:
         if fields:
             raise TypeError("postbox: pass either a message or its fields, not both")
-        return message
+        if isinstance(message, dict):  # the message as a dict, as a batch takes it
+            fields, message = message, None
+        elif not isinstance(message, model):
+            raise TypeError(
+                f"postbox: pass an {model.__name__}, a dict or the message's fields as keywords, "
+                f"not a {type(message).__name__}"
+            )
+        else:
+            return message
     try:
         return model(**fields)
     except ValidationError as error:
@@ -143,6 +151,11 @@ def batch_items(model: type[_Message], messages: Iterable[_Message | dict[str, A
     (:func:`_plain_item`: an absent field stands for its default), any other dict through
     ``model``, which names the element and the bad field; a ``model`` as its :meth:`batch_item`."""
     spec = _PLAIN[model]
+    if messages is None or isinstance(messages, dict | str | bytes | model):
+        raise TypeError(
+            f"postbox: pass a list of messages ({model.__name__}s or dicts), not a {type(messages).__name__}"
+            + (": for one message, the function without _many" if isinstance(messages, dict | model) else "")
+        )
     messages = list(messages)  # a list of our own (the caller's is never handed back)
     plain = _plain_batch(spec, messages)
     if plain is not None:
