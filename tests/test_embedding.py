@@ -225,6 +225,31 @@ def test_a_relay_embedded_in_asyncio_delivers_and_stops(database):
     assert live_workers(url) == 0
 
 
+def test_a_worker_or_relay_started_twice_or_restarted_after_stop_refuses_it(database):
+    """A second start() ran every thread twice (two sets of slots, heartbeats, listeners); start()
+    after stop() ran nothing and said nothing. Both now raise, saying what to do."""
+    reg = postbox.Registry()
+    reg.add(lambda m, ctx: None, "c")
+    w = postbox.Worker(database.url, reg, consumer="c", poll_interval=0.05)
+    w.start()
+    try:
+        with pytest.raises(RuntimeError, match="this Worker is started already"):
+            w.start()
+    finally:
+        w.stop()
+        w.join()
+    with pytest.raises(RuntimeError, match="this Worker was stopped and cannot start again: make a new one"):
+        w.start()
+    relay = postbox.Relay(
+        database.url, {"d": lambda: PostgresTransport(database.url, "c")}, poll_interval=0.05
+    )
+    relay.start()
+    relay.stop()
+    relay.join()
+    with pytest.raises(RuntimeError, match="this Relay was stopped and cannot start again"):
+        relay.start()
+
+
 def test_worker_options_are_the_settings_fields(database):
     """Keyword options build the settings; unknown ones, or both settings and options, are refused."""
     registry = postbox.Registry()

@@ -74,9 +74,22 @@ class Embeddable:
     Subclasses provide ``start``, ``stop``, ``join``, ``ready`` and ``_stopping``."""
 
     _stopping: threading.Event
+    _started = False
 
     def start(self) -> None:
         raise NotImplementedError
+
+    def _starting(self) -> None:
+        """Called first by ``start``: refuse a second start, which would run every thread twice,
+        or, after ``stop``, nothing. (A stop before the first start, a signal during start-up, is
+        fine: the service starts and stops at once.)"""
+        if self._started:
+            raise RuntimeError(
+                f"postbox: this {type(self).__name__} was stopped and cannot start again: make a new one"
+                if self.stopping
+                else f"postbox: this {type(self).__name__} is started already"
+            )
+        self._started = True
 
     def stop(self) -> None:
         raise NotImplementedError

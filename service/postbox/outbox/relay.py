@@ -138,6 +138,7 @@ class Relay(Embeddable):
         self._helpers: list[threading.Thread] = []
 
     def start(self) -> None:
+        self._starting()
         self.presence.beat()
         for destination in self.transports:
             for i in range(self.settings.concurrency):

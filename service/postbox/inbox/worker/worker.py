@@ -115,6 +115,7 @@ class Worker(Embeddable):
     # --- lifecycle -------------------------------------------------------------------------
 
     def start(self) -> None:
+        self._starting()
         self.presence.beat()
         self._slots = [Slot(self, i) for i in range(self.settings.concurrency)]
         for slot in self._slots:
