@@ -333,6 +333,49 @@ def test_a_handler_closing_ctx_session_keeps_its_writes_with_the_message(effects
     assert scalar(url, "SELECT string_agg(message_id, ',') FROM postbox.dead_letters") == "fails"
 
 
+def test_an_async_handler_that_forgets_to_await_ctx_publish_is_dead_lettered_not_done(effects_db):
+    """``ctx.publish(...)`` without ``await`` in an async handler (and in an async batch handler):
+    the event was never written, and the message was marked done with only a RuntimeWarning. Now the
+    attempt fails permanently, saying what to write; its effects are undone, and nothing is published."""
+    url = effects_db.url
+    reg = Registry()
+
+    @reg.handler("c", "one")
+    async def forgets(m, ctx):
+        await ctx.conn.execute("INSERT INTO effects (message_id, key, attempt) VALUES (%s, %s, %s)",
+                               (m.message_id, m.key, m.attempt))  # fmt: skip
+        ctx.publish("next", {"from": m.message_id})  # the mistake under test: no await
+
+    @reg.batch_handler("c", "many")
+    async def forgets_in_a_batch(messages, ctx):
+        for m in messages:
+            ctx.publish(m, "next", {"from": m.message_id})  # no await
+
+    @reg.handler("c", "fine")
+    async def awaits(m, ctx):
+        await ctx.publish("next", {"from": m.message_id})
+
+    produce(
+        url, [{"consumer": "c", "message_id": t, "type": t, "payload": {}} for t in ("one", "many", "fine")]
+    )
+    w = start(url, reg)
+    try:
+        eventually(lambda: drained(url))
+    finally:
+        w.stop()
+        w.join()
+    assert scalar(url, "SELECT count(*) FROM effects") == 0
+    assert scalar(url, "SELECT string_agg(payload->>'from', ',') FROM postbox.outbox") == "fine"
+    with psycopg.connect(url) as c:
+        rows = c.execute(
+            "SELECT message_id, reason, last_error FROM postbox.dead_letters ORDER BY message_id"
+        ).fetchall()
+    assert [(r[0], r[1]) for r in rows] == [("many", "permanent"), ("one", "permanent")]
+    assert all(
+        "without awaiting it: nothing was published; write 'await ctx.publish(...)'" in r[2] for r in rows
+    )
+
+
 def test_stop_finishes_in_flight_work_and_releases_nothing_claimed(effects_db):
     """stop() during a long handler: it finishes within the grace period; nothing stays claimed."""
     url = effects_db.url

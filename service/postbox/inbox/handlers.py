@@ -9,20 +9,17 @@ one transaction with the message's "done" mark and any ``ctx.publish(...)`` outb
 transaction.
 
 A *batch* handler (:meth:`Registry.batch_handler`) is called as ``handler(messages, ctx)`` with
-the messages of a claimed batch that it handles (each the head of its key, so they never depend on
-one another's order) and a :class:`BatchContext` (an :class:`AsyncBatchContext` for an ``async
-def``): one call and one statement can do the work of
-many messages. Their effects and their "done" marks commit together. If the call fails, its
-effects are rolled back and the messages are run again one at a time (``handler([message],
-ctx)``), so that only the message that fails is retried or dead-lettered.
+the messages of a claimed batch that it handles (heads of distinct keys) and a :class:`BatchContext`
+(:class:`AsyncBatchContext` for an ``async def``); a failed call runs them again one at a time.
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Coroutine, Iterable
 from dataclasses import dataclass, field
 from datetime import datetime
+from inspect import CORO_CREATED, getcoroutinestate
 from typing import Any
 
 import psycopg
@@ -111,10 +108,8 @@ class _AttemptContext:
         return self.idempotency_key_for("")
 
     def idempotency_key_for(self, operation: str) -> str:
-        """A stable key per logical operation of this message (several external calls, one each).
-
-        A replay as a new message keeps the original's key (its ``postbox_replay_of`` header names the
-        original message), so a replay never repeats an external effect that did happen."""
+        """A stable key per logical operation of this message (several external calls, one each),
+        kept by its replays (see :func:`idempotency_key_for`)."""
         return idempotency_key_for(self.message, operation)
 
     def _outbox_message(self, destination: str, payload: Any, fields: dict[str, Any]) -> OutboxMessage:
@@ -136,17 +131,15 @@ class _SyncSession:
         return self._session
 
     def _close_session(self) -> None:
-        """After the handler returned: its session's work joins the transaction (the session's
-        commit releases its savepoint; the worker commits the transaction)."""
+        """After the handler returned: its session's work joins the transaction (its commit releases
+        its savepoint; its close, after a commit, has nothing to undo)."""
         if self._session is not None:
-            self._session.commit()
-            self._session.close()
+            self._session.close()  # a JoinedSession's close commits first (postbox.inbox.worker.base)
             self._session = None
 
 
 class _AsyncSession:
-    """The SQLAlchemy ``AsyncSession`` of an async handler's context, opened by the worker before
-    the handler runs, on the same connection and transaction as ``conn``."""
+    """An async handler's context's ``AsyncSession`` (on ``conn``, opened before the handler runs)."""
 
     _session_factory: Callable[[], Awaitable[AsyncSession]]
     _session: AsyncSession | None
@@ -161,11 +154,22 @@ class _AsyncSession:
     async def _open_session(self) -> None:
         self._session = await self._session_factory()
 
+    def _track(self, publishing: Coroutine[Any, Any, int]) -> Coroutine[Any, Any, int]:
+        """A ``publish`` coroutine, noted: one the handler never awaits wrote nothing."""
+        self.__dict__.setdefault("_publishes", []).append(publishing)
+        return publishing
+
+    def _unawaited(self) -> int:
+        """How many of its ``publish`` calls the handler never awaited (closed now, unrun)."""
+        left = [c for c in self.__dict__.get("_publishes", ()) if getcoroutinestate(c) == CORO_CREATED]
+        for c in left:
+            c.close()
+        return len(left)
+
     async def _close_session(self) -> None:
         """After the handler returned: its session's work joins the transaction."""
         if self._session is not None:
-            await self._session.commit()
-            await self._session.close()
+            await self._session.close()  # a JoinedAsyncSession's close commits first
             self._session = None
 
 
@@ -240,11 +244,11 @@ class AsyncContext(_AttemptContext, _AsyncSession):
         self._session_factory = session_factory
         self._session = None
 
-    async def publish(self, destination: str, payload: Any, **fields: Any) -> int:
-        """Write an outbox event in this transaction; correlation and causation follow this message."""
+    def publish(self, destination: str, payload: Any, **fields: Any) -> Coroutine[Any, Any, int]:
+        """Write an outbox event in this transaction (awaited); correlation and causation follow this message."""
         from postbox.outbox.publish import publish_async
 
-        return await publish_async(self.conn, self._outbox_message(destination, payload, fields))
+        return self._track(publish_async(self.conn, self._outbox_message(destination, payload, fields)))
 
 
 class AsyncBatchContext(_BatchAttempt, _AsyncSession):
@@ -263,11 +267,13 @@ class AsyncBatchContext(_BatchAttempt, _AsyncSession):
         self._session_factory = session_factory
         self._session = None
 
-    async def publish(self, message: Message, destination: str, payload: Any, **fields: Any) -> int:
-        """Write an outbox event in this transaction, derived from ``message`` (one of this call's)."""
+    def publish(
+        self, message: Message, destination: str, payload: Any, **fields: Any
+    ) -> Coroutine[Any, Any, int]:
+        """Write an outbox event in this transaction (awaited), derived from ``message`` (one of this call's)."""
         from postbox.outbox.publish import publish_async
 
-        return await publish_async(self.conn, _derived(message, destination, payload, fields))
+        return self._track(publish_async(self.conn, _derived(message, destination, payload, fields)))
 
 
 @dataclass(frozen=True)
@@ -311,12 +317,9 @@ class Registry:
         ``retry`` and ``on_dead_letter`` override the consumer's policies for this type;
         ``schema_versions`` lists the versions it understands (others are dead-lettered at once).
 
-        ``database_only`` declares that everything the handler does is in the database, through
-        ``ctx.conn`` or ``ctx.session`` (nothing is sent, written or called outside it). The
-        messages of a claimed batch that such handlers take one after the other then share one
-        savepoint instead of one each, a round trip less per message. If one of them fails, its
-        neighbours' effects are undone with its own and they run again, each in its own savepoint:
-        a second run that only the handler itself can notice.
+        ``database_only`` declares that it does everything in the database (nothing outside):
+        neighbours in a batch then share one savepoint, a round trip less each, and run again, each
+        in its own, if one of them fails (a second run only the handler itself can notice).
         """
 
         options = {"idempotent": idempotent, "timeout": timeout, "retry": retry,
@@ -342,12 +345,10 @@ class Registry:
     ) -> Callable[[BatchHandlerFunc], BatchHandlerFunc]:
         """Decorator: register a batch handler, ``func(messages, ctx)``, for ``consumer`` and ``type``.
 
-        It is called once with the messages of a claimed batch that it handles (up to the worker's
-        batch size) and a :class:`BatchContext`. If it fails, its effects are rolled back and each
-        message is run again alone (``func([message], ctx)``), so only the one that fails is retried
-        or dead-lettered; anything it does outside the database must therefore be idempotent
-        (``ctx.idempotency_key(message)``). ``timeout`` bounds one call. The other options are
-        :meth:`handler`'s. An ``async def`` gets an :class:`AsyncBatchContext`.
+        It is called with the messages of a claimed batch that it handles and a :class:`BatchContext`
+        (:class:`AsyncBatchContext` for an ``async def``). If it fails, its effects are rolled back
+        and each message runs again alone (``func([message], ctx)``): what it does outside the
+        database must be idempotent (``ctx.idempotency_key(message)``). ``timeout`` bounds a call.
         """
 
         options = {"idempotent": idempotent, "timeout": timeout, "retry": retry,

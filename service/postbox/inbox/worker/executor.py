@@ -282,6 +282,12 @@ async def _attempt(invoke: Callable[[], Any], ctx: AsyncContext | AsyncBatchCont
     try:
         await ctx._open_session()
         result = await invoke()
+        unawaited = ctx._unawaited()
+        if unawaited:  # its events were never written: the message must not be done without them
+            return Permanent(
+                f"the handler called ctx.publish(...) {unawaited} time(s) without awaiting it: nothing was "
+                "published; write 'await ctx.publish(...)'"
+            )
         await ctx._close_session()
         return result
     except (SystemExit, KeyboardInterrupt) as error:  # see _awaitable
