@@ -376,6 +376,44 @@ def test_an_async_handler_that_forgets_to_await_ctx_publish_is_dead_lettered_not
     )
 
 
+def test_a_context_kept_and_used_after_its_handler_returned_is_refused(effects_db):
+    """A handler keeps its ctx; another thread uses ctx.conn (and ctx.session) after the handler
+    returned. The write went into the slot's idle connection, then the slot failed with an
+    unrelated error and the write was silently rolled back. Now the call is refused with an error
+    that says why, nothing is sent, and the slot goes on working."""
+    from sqlalchemy import text
+
+    url = effects_db.url
+    reg = Registry()
+    kept = []
+
+    @reg.handler("c")
+    def keeps(m, ctx):
+        record_effect(ctx.conn, m.message_id, m.key, m.sequence, m.attempt)
+        ctx.session.execute(text("SELECT 1"))
+        kept.append(ctx)
+
+    produce(url, [{"consumer": "c", "message_id": "first", "payload": {}}])
+    w = start(url, reg)
+    try:
+        eventually(lambda: drained(url))
+        late = kept[0]
+        with pytest.raises(psycopg.ProgrammingError, match=r"ctx\.conn was used after its handler returned"):
+            late.conn.execute("INSERT INTO effects (message_id, key, attempt) VALUES ('late', 'k', 1)")
+        with pytest.raises(Exception, match=r"ctx\.conn was used after its handler returned"):
+            late.session.execute(
+                text("INSERT INTO effects (message_id, key, attempt) VALUES ('late', 'k', 1)")
+            )
+        with pytest.raises(psycopg.ProgrammingError, match="used after its handler returned"):
+            late.conn.close()
+        produce(url, [{"consumer": "c", "message_id": "second", "payload": {}}])
+        eventually(lambda: drained(url) and scalar(url, "SELECT count(*) FROM effects") == 2)
+    finally:
+        w.stop()
+        w.join()
+    assert scalar(url, "SELECT string_agg(message_id, ',' ORDER BY id) FROM effects") == "first,second"
+
+
 def test_stop_finishes_in_flight_work_and_releases_nothing_claimed(effects_db):
     """stop() during a long handler: it finishes within the grace period; nothing stays claimed."""
     url = effects_db.url

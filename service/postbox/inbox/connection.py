@@ -21,6 +21,7 @@ savepoint, with the same refusals.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Generator
 from typing import Any, TypeVar
 
@@ -51,7 +52,24 @@ class _Guard:
     _postbox_misuse: str | None = None
     _postbox_fence: str | None = None
     _postbox_ended: bool = False
+    _postbox_owner: int | None = None
     pgconn: psycopg.pq.abc.PGconn
+
+    def owned_by(self, thread: int) -> None:
+        """While no handler runs, only ``thread`` (the slot's) may use the connection: a handler's
+        ``ctx`` kept and used later, from another thread, would write into the next batch."""
+        self._postbox_owner = thread
+
+    def _check_thread(self, gen: PQGen[Any] | None = None) -> None:
+        if self._postbox_guarded or self._postbox_owner in (None, threading.get_ident()):
+            return
+        if isinstance(gen, Generator):
+            gen.close()
+        raise psycopg.ProgrammingError(
+            "postbox: ctx.conn was used after its handler returned (from another thread): a handler's "
+            "context is valid only while the handler runs, so nothing was sent. Finish the handler's "
+            "work (join its threads, await its tasks) before it returns"
+        )
 
     def guard(self, on: bool) -> None:
         """Refuse (on) or allow (off) the calls that end or change the transaction."""
@@ -88,6 +106,7 @@ class _Guard:
             raise HandlerEndedTransaction(self._postbox_misuse)
 
     def _fenced(self, gen: PQGen[Any]) -> None:
+        self._check_thread(gen)
         if self._postbox_fence is not None:
             if isinstance(gen, Generator):
                 gen.close()
@@ -115,6 +134,7 @@ class HandlerConnection(_Guard, psycopg.Connection[Any]):
         super().rollback()
 
     def close(self) -> None:
+        self._check_thread()
         if self._postbox_guarded and self._postbox_fence is None:
             self._refuse("close()")
         super().close()

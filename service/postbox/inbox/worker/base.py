@@ -131,6 +131,7 @@ class SlotBase:
                     options=f"-c idle_in_transaction_session_timeout={int(self.settings.lease_seconds * 1000)}",
                 )
                 self._backend_pid = conn.info.backend_pid
+                conn.owned_by(threading.get_ident())
                 set_json_loads(from_json, conn)  # json.loads's results, faster (every claim parses)
                 if for_handlers:
                     self._engine = self._sqlalchemy_engine(conn)
@@ -175,6 +176,7 @@ class SlotBase:
         """For async handlers: an async connection over the same server session, and an async
         engine over it, initialised now (outside any batch, like the sync one)."""
         aconn = AsyncHandlerConnection.over(conn)
+        aconn.owned_by(threading.get_ident())
 
         async def creator() -> AsyncHandlerConnection:
             return aconn
