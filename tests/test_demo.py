@@ -98,3 +98,12 @@ def test_demo_never_drops_a_database_it_did_not_create(database, tmp_path):
                     psycopg.sql.Identifier(name)
                 )
             )
+
+
+def test_the_demos_drop_hint_quotes_a_database_name_that_needs_it():
+    """The hint to remove the kept database is a statement psql takes as printed."""
+    from postbox.demo.scenario import _identifier
+
+    assert _identifier("postbox_demo") == "postbox_demo"
+    assert _identifier("demo'x") == '"demo\'x"'
+    assert _identifier('De"mo') == '"De""mo"'

@@ -495,6 +495,23 @@ def test_unknown_consumer_is_refused_once_consumers_are_declared(conn):
     conn.rollback()
 
 
+@pytest.mark.parametrize(
+    ("name", "options", "field"),
+    [("bad\x00name", {}, "name"), ("", {}, "name"), (7, {}, "name"),
+     ("g", {"gap_timeout_seconds": -1}, "gap_timeout_seconds"),
+     ("g", {"gap_timeout_seconds": float("nan")}, "gap_timeout_seconds"),
+     ("g", {"sequence_mode": "sorted"}, "sequence_mode")],
+)  # fmt: skip
+def test_declare_consumer_refuses_bad_input_naming_the_field(conn, name, options, field):
+    """A name with NUL, empty or not a text, and a negative or NaN gap timeout: InvalidMessage naming
+    the setting, before the round trip (a negative timeout was stored; NaN and NUL raised psycopg's
+    errors)."""
+    with pytest.raises(InvalidMessage) as info:
+        postbox.declare_consumer(conn, name, **options)
+    assert info.value.field == field
+    assert count(conn, "consumers") == 0  # nothing sent: the transaction goes on
+
+
 def test_sequenced_consumer_requires_sequence(conn):
     """A consumer in monotonic or gapless mode refuses a message without a sequence."""
     postbox.declare_consumer(conn, "ledger", sequence_mode="gapless")

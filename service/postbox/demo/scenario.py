@@ -323,7 +323,7 @@ def _epilogue(url: str, database: str, started: float, *, embedded: bool) -> Non
         return
     _say(
         f'{done} Database {database} is kept for you to explore (psql "{mask_url(url)}"); remove it with '
-        f"DROP DATABASE {database} (the next demo replaces it)."
+        f"DROP DATABASE {_identifier(database)} (the next demo replaces it)."
     )
 
 
@@ -338,3 +338,10 @@ def deadletter_id_hint(url: str) -> int:
     with psycopg.connect(url) as conn:
         row = conn.execute("SELECT min(id) FROM postbox.dead_letters").fetchone()
     return int(row[0]) if row and row[0] is not None else 1
+
+
+def _identifier(name: str) -> str:
+    """``name`` as psql takes it in a statement: as it is if it needs no quotes, else quoted."""
+    if name.isidentifier() and name.isascii() and name == name.lower():
+        return name
+    return '"' + name.replace('"', '""') + '"'

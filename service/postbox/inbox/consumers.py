@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import math
+
 from postbox.db import AnySyncConnection, query, run
 from postbox.errors import InvalidMessage
+from postbox.values import CONSUMER_MAX_BYTES, check_text
 
 __all__ = ["SEQUENCE_MODES", "declare_consumer"]
 
@@ -26,6 +29,18 @@ def declare_consumer(
     """
     if sequence_mode not in SEQUENCE_MODES:
         raise InvalidMessage("sequence_mode", f"must be one of {', '.join(SEQUENCE_MODES)}")
+    if not isinstance(name, str):
+        raise InvalidMessage("name", f"must be a text, not a {type(name).__name__}")
+    try:
+        check_text(name, CONSUMER_MAX_BYTES)
+    except ValueError as error:
+        raise InvalidMessage("name", str(error)) from None
+    if gap_timeout_seconds is not None and not (
+        isinstance(gap_timeout_seconds, int | float) and 0 < gap_timeout_seconds < math.inf
+    ):
+        raise InvalidMessage(
+            "gap_timeout_seconds", f"must be a positive number of seconds, not {gap_timeout_seconds!r}"
+        )
     run(
         conn,
         query("declare_consumer"),
