@@ -179,6 +179,42 @@ def test_json_batch_matches_the_array_batch(conn):
     assert _inbox(conn, "json") == _inbox(conn, "arrays")
 
 
+@pytest.mark.parametrize(
+    ("function", "element", "refused"),
+    [("inbox_receive_batch", {"consumer": "c", "message_id": "t", "payload": 1, "kye": "order-1"},
+      "messages[2].kye is not a field (did you mean key?)"),
+     ("inbox_receive_batch", {"consumer": "c", "message_id": "t", "payload": 1, "Key": "order-1"},
+      "messages[2].Key is not a field (did you mean key?)"),
+     ("outbox_publish_batch", {"destination": "d", "payload": 1, "keys": "order-1"},
+      "messages[2].keys is not a field (did you mean key?)"),
+     ("outbox_publish_batch", {"destination": "d", "payload": 1, "sequence": 3},
+      "messages[2].sequence is not a field: the fields are destination,")],
+)  # fmt: skip
+def test_the_json_batch_functions_refuse_a_field_they_do_not_know(database, function, element, refused):
+    """A misspelt field in an element of a JSON batch (SQL callers in any language) was dropped
+    without a word: "kye" stored the message without its key, so without its order. Refused now,
+    naming the element, the field and what it may stand for; nothing of the batch is written."""
+    first = (
+        {"consumer": "c", "message_id": "ok", "payload": 1}
+        if "receive" in function
+        else {"destination": "d", "payload": 1}
+    )
+    with database.connect() as c:
+        with pytest.raises(psycopg.DataError) as info:
+            c.execute(
+                f"SELECT * FROM postbox.{function}(%s::jsonb)", (psycopg.types.json.Jsonb([first, element]),)
+            )
+        assert info.value.sqlstate == "22PB1" and refused in str(info.value)
+        c.rollback()
+        assert c.execute(
+            "SELECT (SELECT count(*) FROM postbox.inbox) + (SELECT count(*) FROM postbox.outbox)"
+        ).fetchone() == (0,)
+        rows = c.execute(
+            f"SELECT count(*) FROM postbox.{function}(%s::jsonb)", (psycopg.types.json.Jsonb([first]),)
+        ).fetchone()
+        assert rows == (1,)  # the known fields, as before
+
+
 def test_array_batch_checks_what_python_did_not(conn):
     """The array form called from SQL checks every element too: a missing payload is refused."""
     with pytest.raises(psycopg.DataError) as info:

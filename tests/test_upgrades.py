@@ -36,6 +36,7 @@ RELEASED = {
     "0011": "03babd756e5d45c1ac23f1c3f9dece16532a31802011e97725840708785abf28",  # 0.10.0
     "0012": "9db1b3c02ba4e1ca313c86722e7b5c6db08749e0242aea862bc0a4e547404938",  # 0.11.0
     "0013": "780d69928271b3b0bb63b859152330b8e7e798ed3e41bc53e7ba33fce4e64bb3",  # 0.12.0
+    "0014": "baa49ef37da5561806e327f9d3c46665342f995cb06edcbd301172396125b78b",  # 0.15.0
 }
 
 
@@ -106,6 +107,7 @@ def test_the_schema_revision_the_code_needs_is_the_newest_it_ships():
         "0011",
         "0012",
         "0013",
+        "0014",
     ]
 
 
@@ -302,7 +304,7 @@ def test_the_previous_release_keeps_working_on_the_new_schema_and_says_so(databa
     assert "Traceback" not in check.stderr, check.stderr
 
 
-@pytest.mark.parametrize("revision", ["0006", "0007", "0008", "0009", "0010", "0011", "0012", "0013"])
+@pytest.mark.parametrize("revision", ["0006", "0007", "0008", "0009", "0010", "0011", "0012", "0013", "0014"])
 def test_a_downgrade_leaves_exactly_the_previous_revisions_schema(pg_server, revision):
     """A revision's downgrade restores what the revision before it made: a database upgraded to
     ``revision`` and downgraded one step has the same tables, indexes, triggers, function bodies

@@ -1,0 +1,57 @@
+"""The JSON batch functions refuse a field they do not know: inbox_receive_batch_v2 and
+outbox_publish_batch_v2 check every element's fields, then do what _v1 does; the unversioned
+inbox_receive_batch and outbox_publish_batch call them. A misspelt field ("kye" for "key") was
+dropped without a word, and the message stored without its key, so without its order.
+
+An expand-only revision: the _v1 functions are unchanged, for processes of earlier releases
+during a rolling deploy (see docs/upgrading.md).
+
+Revision ID: 0014
+Revises: 0013
+Create Date: 2026-12-07
+"""
+
+from postbox.schema.apply_sql import frozen_revision, sql_file_text
+
+revision = "0014"
+down_revision = "0013"
+branch_labels = None
+depends_on = None
+
+FUNCTIONS = ["functions/batch_fields_v2.sql"]
+
+# Back to 0013: the unversioned names call _v1 again, and the _v2 functions and their check go.
+DOWNGRADE = """
+CREATE OR REPLACE FUNCTION postbox.inbox_receive_batch(messages jsonb)
+RETURNS TABLE (ordinality bigint, status text, inbox_id bigint)
+LANGUAGE plpgsql VOLATILE AS $$
+BEGIN
+    RETURN QUERY SELECT * FROM postbox.inbox_receive_batch_v1(messages);
+END
+$$;
+CREATE OR REPLACE FUNCTION postbox.outbox_publish_batch(messages jsonb)
+RETURNS TABLE (ordinality bigint, outbox_id bigint)
+LANGUAGE plpgsql VOLATILE AS $$
+BEGIN
+    RETURN QUERY SELECT * FROM postbox.outbox_publish_batch_v1(messages);
+END
+$$;
+DROP FUNCTION IF EXISTS postbox.inbox_receive_batch_v2(jsonb);
+DROP FUNCTION IF EXISTS postbox.outbox_publish_batch_v2(jsonb);
+DROP FUNCTION IF EXISTS postbox.check_batch_fields_v1(jsonb, text[]);
+"""
+
+RELEASED_SHA256 = "baa49ef37da5561806e327f9d3c46665342f995cb06edcbd301172396125b78b"
+
+
+def statements() -> list[str]:
+    """Every SQL text this revision applies, in order."""
+    return [sql_file_text(f) for f in FUNCTIONS]
+
+
+def downgrade_statements() -> list[str]:
+    return [DOWNGRADE]
+
+
+# All the SQL of this revision, both ways (frozen(): what RELEASED_SHA256 pins), and how Alembic runs it.
+frozen, upgrade, downgrade = frozen_revision(revision, RELEASED_SHA256, statements, downgrade_statements)
