@@ -246,3 +246,36 @@ def test_gap_timeouts_stale_workers_and_orphaned_keys(database):
     due = scalar(url, "SELECT available_at FROM postbox.inbox WHERE message_id = 'm'")
     assert abs((due - clock.now()).total_seconds()) < 30
     assert m.run_job("repair_keys") == 0  # nothing orphaned
+
+
+def test_maintain_refuses_a_deduplication_window_the_retries_outlast_and_says_when_it_changes_it(
+    database, tmp_path
+):
+    """The window maintenance sets is the one every receive judges by. One shorter than the file's
+    (or the default policy's) retries plus the replay window was set without a word, where a worker
+    refuses it: a redelivery after it was then received as new, and processed twice. Now maintain
+    refuses it too (exit 2, the window in force untouched), and says when it changes the window."""
+    from tests.test_ops_commands import run_postbox
+
+    config = tmp_path / "postbox.toml"
+    config.write_text("[consumers.billing]\nretry = { max_attempts = 10, max_delay = 300 }\n")
+
+    def window() -> float:
+        return scalar(database.url, "SELECT extract(epoch FROM retention)::float8 FROM postbox.dedup_window")
+
+    before = window()
+    for args in (["--config", str(config)], []):
+        r = run_postbox(*args, "--database-url", database.url, "maintain", "--once",
+                        env={"POSTBOX_DEDUP_RETENTION_SECONDS": "2"})  # fmt: skip
+        assert r.returncode == 2, r.stderr
+        assert "dedup_retention_seconds (2) is shorter than the longest retry horizon" in r.stderr
+        assert window() == before
+    r = run_postbox("--database-url", database.url, "maintain", "--once", "--job", "reap_stale_workers",
+                    env={"POSTBOX_DEDUP_RETENTION_SECONDS": "900000", "POSTBOX_LOG_LEVEL": "info"})  # fmt: skip
+    assert r.returncode == 0 and f"deduplication window changed from {before:g} s to 900000 s" in r.stderr
+    assert window() == 900000
+    r = run_postbox("--database-url", database.url, "maintain", "--once", "--job", "reap_stale_workers")
+    assert (
+        r.returncode == 0 and "deduplication window changed from 900000 s to 604800 s" in r.stderr
+    )  # a warning
+    assert window() == 604800

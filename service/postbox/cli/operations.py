@@ -118,10 +118,16 @@ def maintain(
     """Run the maintenance jobs (retention, dedup pruning, stale workers, key repairs, gap timeouts,
     queue vacuums) on their schedule until SIGTERM/SIGINT. Safe to run in several processes: each job
     runs once per period across all of them."""
+    from postbox.cli.services import _policies
+    from postbox.config.policies import check_file_retention
     from postbox.operations.maintenance import JOBS, Maintenance, MaintenanceSettings
 
     s = _settings(ctx)
     url = _url(ctx)
+    # The window maintenance sets is the one every receive judges by: refuse one the file's retries
+    # (or the default policy's) outlast, as a worker refuses it, rather than let a late redelivery
+    # be taken for a new message.
+    check_file_retention(_policies(ctx))
     settings = MaintenanceSettings(
         dedup_retention_seconds=s.dedup_retention_seconds,
         attempts_retention_seconds=s.attempts_retention_seconds,
