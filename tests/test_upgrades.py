@@ -304,7 +304,10 @@ def test_the_previous_release_keeps_working_on_the_new_schema_and_says_so(databa
     assert "Traceback" not in check.stderr, check.stderr
 
 
-@pytest.mark.parametrize("revision", ["0006", "0007", "0008", "0009", "0010", "0011", "0012", "0013", "0014"])
+@pytest.mark.parametrize(
+    "revision",
+    ["0002", "0003", "0004", "0005", "0006", "0007", "0008", "0009", "0010", "0011", "0012", "0013", "0014"],
+)
 def test_a_downgrade_leaves_exactly_the_previous_revisions_schema(pg_server, revision):
     """A revision's downgrade restores what the revision before it made: a database upgraded to
     ``revision`` and downgraded one step has the same tables, indexes, triggers, function bodies

@@ -14,7 +14,7 @@ Revises: 0003
 Create Date: 2026-12-02
 """
 
-from postbox.schema.apply_sql import apply_frozen, sql_file_text
+from postbox.schema.apply_sql import apply_frozen, run_sql, sql_file_text
 
 revision = "0004"
 down_revision = "0003"
@@ -78,5 +78,17 @@ def upgrade() -> None:
     apply_frozen(revision, RELEASED_SHA256, frozen(), run=statements())
 
 
+# Re-applying roles_v1.sql (above) revokes every grant and gives 0001's: those revision 0002 added,
+# which 0003 has, went with them, and a worker or maintenance login could no longer start. Given
+# back after the frozen SQL, in the same transaction. Not part of what RELEASED_SHA256 pins: the
+# released SQL is unchanged, this mends what running it left.
+REGRANT_0002 = """
+GRANT SELECT ON postbox.alembic_version TO postbox_worker, postbox_maintainer;
+GRANT EXECUTE ON FUNCTION postbox.worker_heartbeat_v2(text, text, text, text, integer, integer, text, text, boolean, timestamptz)
+    TO postbox_worker, postbox_maintainer;
+"""
+
+
 def downgrade() -> None:
     apply_frozen(revision, RELEASED_SHA256, frozen(), run=downgrade_statements())
+    run_sql(REGRANT_0002)
