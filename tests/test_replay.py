@@ -563,3 +563,32 @@ def test_replay_of_a_message_whose_key_moved_on_follows_the_late_policy(db):
         )
         == "shipped:permanent"
     )
+
+
+def test_dead_letter_retention_keeps_what_a_replay_job_has_not_settled(db):
+    """A dead letter sent back by a replay job and processed is closed (replayed) before the job's
+    next step settles its item. The retention deleted it then, and the job waited for it for ever,
+    in flight in `postbox status`. Now it stays until the item is settled; then it goes."""
+    from postbox.operations.maintenance import Maintenance, MaintenanceSettings
+
+    dead_letter_all_paid(db, ["r1"])
+    w = start_worker(db.url, shop_registry(2))
+    try:
+        with db.connect(autocommit=True) as c:
+            job_id = replay.start(
+                c, DeadLetterFilter(type="paid"), "fixed", "bob", ReplayOptions(batch_size=1)
+            )
+            replay.step(c, job_id, datetime.now(UTC))  # sends it back
+            eventually(lambda: scalar(db.url, "SELECT status FROM postbox.dead_letters") == "replayed")
+            assert [i["state"] for i in replay.items(c, job_id)] == ["replaying"]
+            later = FakeClock()
+            later.advance(86400)  # a day on: far past the retention below
+            m = Maintenance(db.url, MaintenanceSettings(dead_letter_retention_seconds=60), clock=later)
+            assert m.run_job("dead_letter_retention") == 0
+            assert scalar(db.url, "SELECT count(*) FROM postbox.dead_letters") == 1
+            job = replay.step(c, job_id, datetime.now(UTC))  # settles the item: the job is done
+            assert job.finished and [i["state"] for i in replay.items(c, job_id)] == ["succeeded"]
+            assert m.run_job("dead_letter_retention") == 1
+            assert scalar(db.url, "SELECT count(*) FROM postbox.dead_letters") == 0
+    finally:
+        stop(w)

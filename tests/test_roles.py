@@ -135,7 +135,8 @@ FUNCTIONS: dict[str, frozenset[str]] = {
     "dedup_window_set_v1": frozenset({MAINTAINER}),
     "dedup_rotate_v1": frozenset({MAINTAINER}),
     "prune_attempts_v1": frozenset({MAINTAINER}),
-    "prune_dead_letters_v1": frozenset({MAINTAINER}),
+    "prune_dead_letters_v1": frozenset({MAINTAINER}),  # earlier releases' maintenance, during a deploy
+    "prune_dead_letters_v2": frozenset({MAINTAINER}),
     "maintenance_repair_keys_v1": frozenset({MAINTAINER}),
     # operators (audited)
     "dlq_discard_v1": OPERATE,

@@ -3,6 +3,10 @@ outbox_publish_batch_v2 check every element's fields, then do what _v1 does; the
 inbox_receive_batch and outbox_publish_batch call them. A misspelt field ("kye" for "key") was
 dropped without a word, and the message stored without its key, so without its order.
 
+The dead-letter retention keeps what a replay job has not settled: prune_dead_letters_v2 leaves a
+dead letter alone while a replay item of it is pending or replaying (v1 deleted it, and the job
+waited for it for ever).
+
 An expand-only revision: the _v1 functions are unchanged, for processes of earlier releases
 during a rolling deploy (see docs/upgrading.md).
 
@@ -18,7 +22,7 @@ down_revision = "0013"
 branch_labels = None
 depends_on = None
 
-FUNCTIONS = ["functions/batch_fields_v2.sql"]
+FUNCTIONS = ["functions/batch_fields_v2.sql", "functions/prune_dead_letters_v2.sql"]
 
 # Back to 0013: the unversioned names call _v1 again, and the _v2 functions and their check go.
 DOWNGRADE = """
@@ -39,9 +43,10 @@ $$;
 DROP FUNCTION IF EXISTS postbox.inbox_receive_batch_v2(jsonb);
 DROP FUNCTION IF EXISTS postbox.outbox_publish_batch_v2(jsonb);
 DROP FUNCTION IF EXISTS postbox.check_batch_fields_v1(jsonb, text[]);
+DROP FUNCTION IF EXISTS postbox.prune_dead_letters_v2(timestamptz, integer);
 """
 
-RELEASED_SHA256 = "baa49ef37da5561806e327f9d3c46665342f995cb06edcbd301172396125b78b"
+RELEASED_SHA256 = "18728f7160e61bd491101e3b7477c15d30f67453cb2c2f4f6a3d4884fe23e0d2"
 
 
 def statements() -> list[str]:

@@ -34,7 +34,7 @@ SELECT postbox.prune_attempts_v1(CAST(:cutoff AS timestamptz), CAST(:limit AS in
 
 -- name: prune_dead_letters
 -- Closed dead letters (replayed, discarded, resolved) older than the retention.
-SELECT postbox.prune_dead_letters_v1(CAST(:cutoff AS timestamptz), CAST(:limit AS integer));
+SELECT postbox.prune_dead_letters_v2(CAST(:cutoff AS timestamptz), CAST(:limit AS integer));
 
 -- name: orphan_repairs
 SELECT DISTINCT origin, queue FROM postbox.key_repairs WHERE created_at < CAST(:before AS timestamptz);
