@@ -756,3 +756,34 @@ def test_operator_login_runs_the_cli_and_a_reader_login_the_status(database, log
     assert halted == (True,)
     status = json.loads(postbox_cli(logins[READER], "status", "--json").stdout)
     assert "stock" in json.dumps(status)
+
+
+def test_a_login_without_the_commands_role_gets_one_line_naming_the_role_it_needs(database, logins):
+    """A command run by a login without the role it needs (status by a worker login, a worker or
+    maintenance by a producer login, the dead-letter commands by a worker login...) printed a
+    traceback ending in InsufficientPrivilege. Now: one line, the server's refusal and the role the
+    command needs, exit 1."""
+    cases = [
+        (WORKER, ["status"], "postbox_reader or postbox_operator"),
+        (MAINTAINER, ["status"], "postbox_reader or postbox_operator"),
+        (PRODUCER, ["status"], "postbox_reader or postbox_operator"),
+        (PRODUCER, ["worker", "--consumer", "basic", "--app", "tests.apps.basic:registry"], "postbox_worker"),
+        (WORKER, ["maintain", "--once"], "postbox_maintainer"),
+        (WORKER, ["dlq", "list"], "postbox_operator"),
+        (WORKER, ["keys", "blocked"], "postbox_operator"),
+        (NOBODY, ["migrate", "--check"], "any Postbox role but postbox_producer"),
+        (OPERATOR, ["migrate"], "the schema's owner"),
+    ]
+    for role, args, needed in cases:
+        r = subprocess.run(
+            [sys.executable, "-m", "postbox", "--database-url", logins[role], *args],
+            capture_output=True, text=True, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
+            timeout=60, check=False,
+        )  # fmt: skip
+        assert r.returncode == 1 and "Traceback" not in r.stderr, (role, args, r.stderr)
+        lines = [line for line in r.stderr.splitlines() if line.startswith("postbox:")]
+        assert len(lines) == 1 and "permission denied for" in lines[0] and needed in lines[0], (
+            role,
+            args,
+            r.stderr,
+        )

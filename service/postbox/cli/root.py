@@ -51,7 +51,7 @@ def cli(
     metrics_port: int | None,
 ) -> None:
     """Postbox: transactional inbox and outbox on PostgreSQL."""
-    ctx.ensure_object(dict).update(config=config, database_url=database_url)
+    ctx.ensure_object(dict).update(config=config, database_url=database_url, command=ctx.invoked_subcommand)
     if config is not None:
         log_format, log_level = cli_context.apply_config_file(ctx, log_format, log_level)
     setup_observability(ctx, log_format, log_level, metrics_port)
@@ -269,9 +269,39 @@ def _read_legacy_envvars() -> None:
             os.environ[current] = os.environ[legacy]
 
 
+# The role each command's login needs (docs/operations.md, Roles), for a refusal to name it.
+_ROLE_OF = {
+    "worker": "a login granted postbox_worker", "relay": "a login granted postbox_worker",
+    "bridge": "a login granted postbox_worker", "maintain": "a login granted postbox_maintainer",
+    "status": "a login granted postbox_reader or postbox_operator",
+    "dlq": "a login granted postbox_operator", "replay": "a login granted postbox_operator",
+    "keys": "a login granted postbox_operator", "consumers": "a login granted postbox_operator",
+    "console": "a login granted postbox_operator",
+    "migrate": "the schema's owner (the role that first migrated it) or a superuser (to check it, any "
+    "Postbox role but postbox_producer)",
+    "downgrade": "the schema's owner (the role that first migrated it) or a superuser",
+}  # fmt: skip
+
+
 def main() -> None:
     _read_legacy_envvars()
     obj: dict[str, object] = {}
+    try:
+        _main(obj)
+    except (psycopg.errors.InsufficientPrivilege, sqlalchemy.exc.DBAPIError) as error:
+        orig = getattr(error, "orig", None) or error
+        if not isinstance(orig, psycopg.errors.InsufficientPrivilege):
+            raise
+        detail = (getattr(orig.diag, "message_primary", None) or str(orig)).strip().splitlines()[0]
+        role = _ROLE_OF.get(str(obj.get("command")))
+        need = f"this command needs {role}" if role else "this login lacks a grant the command needs"
+        click.echo(
+            f"postbox: {mask_text(detail)}: {need} (the roles are in docs/operations.md, Roles)", err=True
+        )
+        sys.exit(1)
+
+
+def _main(obj: dict[str, object]) -> None:
     try:
         cli(obj=obj)
     except ConfigError as error:
