@@ -592,3 +592,32 @@ def test_dead_letter_retention_keeps_what_a_replay_job_has_not_settled(db):
             assert scalar(db.url, "SELECT count(*) FROM postbox.dead_letters") == 0
     finally:
         stop(w)
+
+
+def test_a_replay_runner_that_cannot_step_exits_70_instead_of_staying_ready(db):
+    """`postbox replay run` as a login that may not step a job (a reader): its thread died with a
+    traceback, and the process stayed up and ready with no job advancing. Now it says why in one
+    line, naming the role it needs, and exits 70 for its supervisor."""
+    import subprocess
+    from contextlib import contextmanager
+
+    from tests.helpers import role_login
+
+    dead_letter_all_paid(db, ["z1"])
+    with db.connect(autocommit=True) as c:
+        replay.start(c, DeadLetterFilter(type="paid"), "fixed", "bob", ReplayOptions(batch_size=1))
+    with contextmanager(role_login)(db, "postbox_reader", "replayrun") as url:
+        p = spawn_postbox(
+            "--database-url", url, "replay", "run", "--poll-interval", "0.05", stderr=subprocess.PIPE
+        )
+        try:
+            assert p.wait(30) == 70
+        finally:
+            if p.poll() is None:
+                p.kill()
+        err = p.stderr.read().decode() if p.stderr else ""
+    assert (
+        "the replay runner stopped: InsufficientPrivilege: permission denied for function replay_step_v1"
+        in err
+    )
+    assert "needs a login granted postbox_operator" in err

@@ -214,7 +214,7 @@ class ReplayRunner:
             self._thread.join(grace)
 
     def ready(self) -> bool:
-        return not self.stopping
+        return not self.stopping and self.fatal is None
 
     @property
     def stopping(self) -> bool:
@@ -269,3 +269,12 @@ class ReplayRunner:
                 log.warning("replay runner: database unavailable (%s); retrying", error)
                 if self._sleep(min(5.0, 0.2 * 2**failures)):
                     return
+            except Exception as error:  # a step refused (a grant missing) or a bug: it cannot go on
+                need = (
+                    " (the replay runner needs a login granted postbox_operator)"
+                    if isinstance(error, psycopg.errors.InsufficientPrivilege)
+                    else ""
+                )
+                self.fatal = f"the replay runner stopped: {type(error).__name__}: {error}{need}".strip()
+                log.critical("%s", self.fatal, exc_info=not need)
+                return
