@@ -39,6 +39,8 @@ class RequireSignIn(BaseHTTPMiddleware):
 
     async def dispatch(self, request: Request, call_next: RequestResponseEndpoint) -> Response:
         path = request.url.path
+        if any("\x00" in v for v in request.query_params.values()):  # no PostgreSQL text holds one
+            return PlainTextResponse("refused: a query parameter contains NUL (\\u0000)", status_code=400)
         if not path.startswith(PUBLIC) and request.app.state.console.users.current(request) is None:
             if request.method != "GET":
                 return PlainTextResponse("sign in first", status_code=401)

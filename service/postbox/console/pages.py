@@ -23,12 +23,20 @@ __all__ = ["group_key", "group_url", "routes"]
 REDACTED = "[redacted: your role does not see payloads]"
 
 
-def _int(request: Request, name: str, default: int = 0) -> int:
+def _int(request: Request, name: str, default: int = 0, maximum: int = 2**63 - 1) -> int:
+    """A whole-number query parameter, from 0 to ``maximum`` (a bigint, or a page the offset of
+    which is one): anything else is a 400, not the database's out-of-range error."""
     raw = request.query_params.get(name, "")
     try:
-        return int(raw) if raw else default
+        value = int(raw) if raw else default
     except ValueError:
         raise HTTPException(400, f"{name} must be a whole number, not {raw!r}") from None
+    if not 0 <= value <= maximum:
+        raise HTTPException(400, f"{name} must be a whole number from 0 to {maximum}, not {raw}")
+    return value
+
+
+MAX_PAGE = 10**9  # times the page size, still far within a bigint offset
 
 
 def _overview_data(request: Request) -> dict[str, Any]:
@@ -54,8 +62,10 @@ def dead_letters(request: Request) -> Response:
         older = float(q.get("older_than_hours") or 0)
     except ValueError:
         raise HTTPException(400, "older_than_hours must be a number") from None
+    if not 0 <= older < 10**7:  # NaN and infinity too
+        raise HTTPException(400, "older_than_hours must be a number of hours from 0 to 10000000")
     flt = GroupFilter(q.get("consumer", ""), q.get("type", ""), q.get("reason", ""), q.get("key", ""), older)
-    page = max(_int(request, "page"), 0)
+    page = _int(request, "page", maximum=MAX_PAGE)
     groups: list[dict[str, Any]] = []
     more = False
     with console_of(request).connect() as conn:
@@ -131,7 +141,7 @@ def story(request: Request) -> Response:
 
 
 def keys(request: Request) -> Response:
-    page = max(_int(request, "page"), 0)
+    page = _int(request, "page", maximum=MAX_PAGE)
     with console_of(request).connect() as conn:
         rows, more = queries.blocked_keys_page(conn, page)
     return render(request, "keys.html", {"keys": rows, "page": page, "more": more})
