@@ -156,6 +156,11 @@ def test_a_wrong_app_is_named_with_what_to_do(database):
     for app, said in (
         ("tests.apps.basic:nosuch", "tests.apps.basic has no attribute 'nosuch'"),
         ("tests.apps.basic:time", "tests.apps.basic:time is a module, not a postbox.Registry"),
+        # A handler named instead of its registry: it was called without arguments (a traceback).
+        (
+            "tests.apps.basic:handle",
+            "tests.apps.basic:handle is a function that takes arguments (a handler?)",
+        ),
         (
             "tests.apps.basic:registry",
             "no handler for consumer 'other' in tests.apps.basic:registry (it has handlers for: ",

@@ -67,6 +67,12 @@ def _load_registry(app: str) -> Registry:
         )
     obj = getattr(module, attr)
     if callable(obj) and not isinstance(obj, Registry):
+        if not _takes_no_arguments(obj):
+            raise click.BadParameter(
+                f"{app} is a function that takes arguments (a handler?), not a postbox.Registry or a "
+                "function returning one without arguments: name the Registry your handlers are registered on",
+                param_hint="--app",
+            )
         obj = obj()
     if not isinstance(obj, Registry):
         raise click.BadParameter(
@@ -74,6 +80,21 @@ def _load_registry(app: str) -> Registry:
             param_hint="--app",
         )
     return obj
+
+
+def _takes_no_arguments(func: Any) -> bool:
+    """Whether ``func`` can be called without arguments (an app factory), as far as its signature says."""
+    import inspect
+
+    try:
+        signature = inspect.signature(func)
+    except (TypeError, ValueError):  # no signature to read: let the call say
+        return True
+    try:
+        signature.bind()
+    except TypeError:
+        return False
+    return True
 
 
 # --- postbox worker -------------------------------------------------------------------------------
