@@ -387,6 +387,7 @@ LONG_RUNNING = [
     ("bridge", "--from", "amqp://guest:guest@127.0.0.1:5672/%2F", "--name", "q", "--consumer", "mis"),
     ("replay", "run"),
     ("maintain",),
+    ("maintain", "--once"),  # runs once, but waits for its database as the others do
 ]
 
 
@@ -406,7 +407,7 @@ def spawn_unreachable(
     return p, log
 
 
-@pytest.mark.parametrize("command", LONG_RUNNING, ids=lambda c: c[0])
+@pytest.mark.parametrize("command", LONG_RUNNING, ids=lambda c: " ".join(c[:2]))
 def test_connect_timeout_gives_up_with_a_clear_error(db, tmp_path, command):
     """Every long-running process waits for an unreachable database; --connect-timeout bounds the
     wait, then it exits 1 with one line saying why, no traceback."""
@@ -417,7 +418,7 @@ def test_connect_timeout_gives_up_with_a_clear_error(db, tmp_path, command):
     assert "Traceback" not in text
 
 
-@pytest.mark.parametrize("command", LONG_RUNNING, ids=lambda c: c[0])
+@pytest.mark.parametrize("command", LONG_RUNNING, ids=lambda c: " ".join(c[:2]))
 def test_sigterm_while_waiting_for_the_database_exits_0_and_says_so(db, tmp_path, monkeypatch, command):
     """A process stopped (SIGTERM, as a supervisor stops it) while it still waits for its database
     exits at once with status 0 and one line saying so: no traceback, and nothing registered."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import signal
 import sys
 import threading
 from collections.abc import Callable
@@ -157,12 +158,30 @@ def _spec(ctx: click.Context, what: str, url: str, connect_timeout: float | None
     )
 
 
+class _Stopped(Exception):
+    """SIGTERM or SIGINT while a command that runs once waits for its database."""
+
+
+def _stop(signum: int, frame: Any) -> None:
+    raise _Stopped  # out of the wait, wherever it is (as SIGINT's KeyboardInterrupt would)
+
+
 def wait_for_database(ctx: click.Context, what: str, url: str, connect_timeout: float | None) -> None:
-    """Wait for the database before a command that runs once (``maintain --once``)."""
+    """Wait for the database before a command that runs once (``maintain --once``). A signal
+    meanwhile exits 0 at once, as for the long-running commands; giving up exits 1, in one line."""
+    spec = _spec(ctx, what, url, connect_timeout)
+    previous = {sig: signal.signal(sig, _stop) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
-        await_database(_spec(ctx, what, url, connect_timeout), threading.Event())
+        await_database(spec, threading.Event())
+    except _Stopped:
+        spec.say(f"{what} stopped while waiting for the database")
+        sys.exit(0)
     except StartupFailed as error:
-        raise click.ClickException(str(error)) from None
+        spec.say(str(error), logging.ERROR)  # one line, in the log format (JSON stays JSON)
+        sys.exit(1)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def run_service(
