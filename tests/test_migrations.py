@@ -166,6 +166,17 @@ def test_an_unknown_revision_is_refused_by_name(empty_database):
         assert "Traceback" not in result.stderr
 
 
+def test_a_backwards_sql_range_and_a_downgrade_of_nothing_say_so(empty_database):
+    """``migrate --sql --from 0005 --revision 0003`` printed an empty BEGIN/COMMIT and exited 0: now
+    a usage error (2). ``downgrade base`` on a database Postbox never migrated said it removed Postbox:
+    now it says there is nothing to downgrade (exit 0, nothing touched)."""
+    r = _postbox(empty_database.url, "migrate", "--sql", "--from", "0005", "--revision", "0003")
+    assert r.returncode == 2 and "--from 0005 is past --revision 0003" in r.stderr and not r.stdout
+    r = _postbox(empty_database.url, "downgrade", "base")
+    assert r.returncode == 0 and "has no Postbox schema: nothing to downgrade" in r.stderr, r.stderr
+    assert "removed" not in r.stderr
+
+
 def test_migrate_and_downgrade_of_a_release_that_is_behind_the_schema_say_so_without_a_traceback(database):
     """A schema a newer release migrated (here a revision this Postbox does not ship): this release's
     ``migrate`` (an older image's migrate job in a rolling deploy) has nothing to do and exits 0,

@@ -110,6 +110,9 @@ def migrate(
             )
     if start is not None and not as_sql:
         raise click.UsageError("--from goes with --sql (online, the database knows its revision)")
+    order = ["base", *known]
+    if start is not None and revision != "head" and order.index(start) > order.index(revision):
+        raise click.UsageError(f"--from {start} is past --revision {revision}: an upgrade goes forward")
     if as_sql:
         click.echo(migrations.upgrade_sql(revision, start=None if start == "base" else start), nl=False)
         return
@@ -166,6 +169,9 @@ def downgrade(ctx: click.Context, revision: str, force: bool) -> None:
     if revision not in ("base", *known):
         raise click.ClickException(f"unknown revision {revision!r}: this postbox ships {', '.join(known)}")
     url = _url(ctx)
+    if migrations.current_revision(url) is None:
+        click.echo(f"postbox: {mask_url(url)} has no Postbox schema: nothing to downgrade", err=True)
+        return
     newer = migrations.newer_revision(url)
     if newer is not None:
         raise click.ClickException(
