@@ -37,6 +37,16 @@ def produce(url, messages):
         c.commit()
 
 
+def run_until_drained(url, registry, **kw):
+    """A worker with ``registry`` until the inbox is drained; stopped and joined."""
+    w = start(url, registry, **kw)
+    try:
+        eventually(lambda: drained(url))
+    finally:
+        w.stop()
+        w.join()
+
+
 def drained(url, consumer="c"):
     return scalar(
         url, "SELECT count(*) = 0 FROM postbox.inbox WHERE consumer = %s AND state <> 'blocked'", (consumer,)
@@ -264,12 +274,7 @@ def test_async_handlers_and_sqlalchemy_session_commit_with_the_message(effects_d
             {"consumer": "c", "message_id": "a", "type": "async", "payload": {}, "correlation_id": "corr"},
         ],
     )
-    w = start(url, reg)
-    try:
-        eventually(lambda: drained(url))
-    finally:
-        w.stop()
-        w.join()
+    run_until_drained(url, reg)
     assert scalar(url, "SELECT string_agg(message_id, ',' ORDER BY message_id) FROM effects") == "a,s"
     assert (
         scalar(url, "SELECT row(destination, correlation_id, causation_id)::text FROM postbox.outbox")
@@ -320,12 +325,7 @@ def test_a_handler_closing_ctx_session_keeps_its_writes_with_the_message(effects
             for t in ("with", "close", "async", "fails")
         ],
     )
-    w = start(url, reg)
-    try:
-        eventually(lambda: drained(url))
-    finally:
-        w.stop()
-        w.join()
+    run_until_drained(url, reg)
     assert (
         scalar(url, "SELECT string_agg(message_id, ',' ORDER BY message_id) FROM effects")
         == "async,close,close-again,with"
@@ -358,12 +358,7 @@ def test_an_async_handler_that_forgets_to_await_ctx_publish_is_dead_lettered_not
     produce(
         url, [{"consumer": "c", "message_id": t, "type": t, "payload": {}} for t in ("one", "many", "fine")]
     )
-    w = start(url, reg)
-    try:
-        eventually(lambda: drained(url))
-    finally:
-        w.stop()
-        w.join()
+    run_until_drained(url, reg)
     assert scalar(url, "SELECT count(*) FROM effects") == 0
     assert scalar(url, "SELECT string_agg(payload->>'from', ',') FROM postbox.outbox") == "fine"
     with psycopg.connect(url) as c:

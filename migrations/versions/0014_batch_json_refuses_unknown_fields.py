@@ -15,6 +15,8 @@ Revises: 0013
 Create Date: 2026-12-07
 """
 
+import re
+
 from postbox.schema.apply_sql import frozen_revision, sql_file_text
 
 revision = "0014"
@@ -24,29 +26,20 @@ depends_on = None
 
 FUNCTIONS = ["functions/batch_fields_v2.sql", "functions/prune_dead_letters_v2.sql"]
 
-# Back to 0013: the unversioned names call _v1 again, and the _v2 functions and their check go.
-DOWNGRADE = """
-CREATE OR REPLACE FUNCTION postbox.inbox_receive_batch(messages jsonb)
-RETURNS TABLE (ordinality bigint, status text, inbox_id bigint)
-LANGUAGE plpgsql VOLATILE AS $$
-BEGIN
-    RETURN QUERY SELECT * FROM postbox.inbox_receive_batch_v1(messages);
-END
-$$;
-CREATE OR REPLACE FUNCTION postbox.outbox_publish_batch(messages jsonb)
-RETURNS TABLE (ordinality bigint, outbox_id bigint)
-LANGUAGE plpgsql VOLATILE AS $$
-BEGIN
-    RETURN QUERY SELECT * FROM postbox.outbox_publish_batch_v1(messages);
-END
-$$;
+# Back to 0013: the unversioned names call _v1 again, as 0001 made them (taken from its file), and
+# the _v2 functions and their check go.
+_ALIASES = re.compile(
+    r"^CREATE OR REPLACE FUNCTION postbox\.(inbox_receive_batch|outbox_publish_batch)\(.*?^\$\$;\n",
+    re.M | re.S,
+)
+DROPS = """
 DROP FUNCTION IF EXISTS postbox.inbox_receive_batch_v2(jsonb);
 DROP FUNCTION IF EXISTS postbox.outbox_publish_batch_v2(jsonb);
 DROP FUNCTION IF EXISTS postbox.check_batch_fields_v1(jsonb, text[]);
 DROP FUNCTION IF EXISTS postbox.prune_dead_letters_v2(timestamptz, integer);
 """
 
-RELEASED_SHA256 = "18728f7160e61bd491101e3b7477c15d30f67453cb2c2f4f6a3d4884fe23e0d2"
+RELEASED_SHA256 = "8cb247aec3e37950e5f323b519189a23f6dfb2c94476978270d1411d02f26295"
 
 
 def statements() -> list[str]:
@@ -55,7 +48,9 @@ def statements() -> list[str]:
 
 
 def downgrade_statements() -> list[str]:
-    return [DOWNGRADE]
+    aliases = [m.group(0) for m in _ALIASES.finditer(sql_file_text("functions/aliases_v1.sql"))]
+    assert len(aliases) == 2, "0001's two batch aliases"
+    return [*aliases, DROPS]
 
 
 # All the SQL of this revision, both ways (frozen(): what RELEASED_SHA256 pins), and how Alembic runs it.

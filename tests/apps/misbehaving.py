@@ -197,16 +197,6 @@ async def handle_async(message: Message, ctx: AsyncContext) -> None:
             await ctx.conn.commit()
         case "sql_commit":
             await ctx.conn.execute("COMMIT")
-        case "retry_nan":  # Retry refuses a NaN delay: the handler fails with that ValueError
-            raise Retry(after=float("nan"))
-        case "unprintable":
-            raise Unprintable
-        case "unruly":  # the registry's rule for it raises while classifying it
-            raise Unruly("no rule can say what this is")
-        case "set_role":  # the completion then runs as a role that may not touch postbox
-            ctx.conn.execute("SET LOCAL ROLE pg_monitor")
-        case "deferred_violation":  # a constraint checked at commit: the batch's commit fails
-            ctx.conn.execute("INSERT INTO deferred_children (parent) VALUES (-1)")
         case "exit":
             raise SystemExit(3)
         case "keyboard_interrupt":
