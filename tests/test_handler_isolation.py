@@ -349,6 +349,30 @@ def test_a_handler_that_leaves_its_transaction_unable_to_complete_fails_its_own_
     assert dead(db.url)["bad"][0] in ("attempts_exhausted", "permanent")
 
 
+def test_a_batch_whose_commit_meets_a_serialization_failure_is_given_back_as_it_is(db):
+    """A failure a retry may well get past (SQLSTATE 40001 at commit, once) is nobody's attempt: the
+    batch is given back untouched and done at the next claim, nothing charged, each effect once."""
+    with psycopg.connect(db.url, autocommit=True) as c:
+        c.execute(
+            "CREATE SEQUENCE flaky_seq; CREATE TABLE flaky_rows (id serial);"
+            " CREATE FUNCTION flaky() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN"
+            "  IF nextval('flaky_seq') = 1 THEN"
+            "   RAISE EXCEPTION 'could not serialize access' USING ERRCODE = '40001'; END IF;"
+            "  RETURN NULL; END $$;"
+            " CREATE CONSTRAINT TRIGGER flaky AFTER INSERT ON flaky_rows DEFERRABLE INITIALLY DEFERRED"
+            "  FOR EACH ROW EXECUTE FUNCTION flaky()"
+        )
+    produce(db.url, ("a", {}), ("flaky", {"do": "serialization_at_commit"}), ("b", {}))
+    p = spawn(db.url)
+    try:
+        eventually(lambda: live(db.url) == 0, what="batch settled", timeout=20)
+    finally:
+        assert stop(p) == 0
+    assert effects(db.url) == {"a": [1], "flaky": [1], "b": [1]}
+    assert scalar(db.url, "SELECT count(*) FROM postbox.attempts") == 0
+    assert scalar(db.url, "SELECT nextval('flaky_seq')") == 3  # two commits: the refused one, then this one
+
+
 def test_a_task_an_async_handler_leaves_running_never_writes_into_another_message(db):
     """A fire-and-forget task from an async handler is cancelled when the handler returns: it cannot
     write into the next message's transaction."""

@@ -96,6 +96,8 @@ def _misbehave(message: Message, ctx: Context) -> None:
             ctx.conn.execute("SET LOCAL ROLE pg_monitor")
         case "deferred_violation":  # a constraint checked at commit: the batch's commit fails
             ctx.conn.execute("INSERT INTO deferred_children (parent) VALUES (-1)")
+        case "serialization_at_commit":  # the first commit fails as a serialization failure would
+            ctx.conn.execute("INSERT INTO flaky_rows DEFAULT VALUES")
         case "exit":
             raise SystemExit(3)
         case "keyboard_interrupt":

@@ -29,8 +29,14 @@ __all__ = ["Slot"]
 
 log = logging.getLogger("postbox.worker")
 
-# A batch whose transaction fails with these is given back as it is: a retry may well succeed.
-_RETRY_AS_IS = frozenset({"40001", "40P01"})  # serialization failure, deadlock detected
+# A batch whose transaction fails with an error of these SQLSTATE classes is given back as it is:
+# nothing a handler did, and a retry may well succeed (a serialization failure or deadlock, a lost
+# connection, the server short of resources or being shut down, a lock not available in time).
+_RETRY_AS_IS = ("40", "08", "53", "55", "57", "58", "XX")
+
+
+def _as_is(error: psycopg.Error) -> bool:
+    return not error.sqlstate or error.sqlstate.startswith(_RETRY_AS_IS)
 
 
 class Slot(ClaimLoop, Executor, Completer):
@@ -68,14 +74,15 @@ class Slot(ClaimLoop, Executor, Completer):
     def _settle_refused(self, batch: Batch, error: psycopg.Error) -> None:
         """The batch's transaction failed as a whole and is rolled back: nothing of it committed.
         A serialization failure or a deadlock gives every message back untouched, claimed again at
-        once. Anything else may be a handler's doing that a retry would repeat without end (a
-        ``SET LOCAL ROLE`` or ``transaction_read_only`` that the completion then trips on): the
-        messages are given back untouched too, and this slot's next claims take them one at a
-        time; a message whose own transaction fails so, after its handler ran, fails its attempt
-        with that error (retried, then dead-lettered), and the others are done."""
+        once, as does one of the server's (see _RETRY_AS_IS). Anything else may be a handler's doing
+        that a retry would repeat without end (a ``SET LOCAL ROLE`` the completion then trips on, a
+        row that breaks a constraint checked at commit): the messages are given back untouched too,
+        and this slot's next claims take them one at a time; a message whose own transaction fails
+        so, after its handler ran, fails its attempt with that error (retried, then dead-lettered),
+        and the others are done."""
         messages = batch.messages
         ran = [m for m in (*batch.done, *(f.message for f in batch.failures)) if m is messages[0]]
-        if len(messages) == 1 and ran and error.sqlstate not in _RETRY_AS_IS:
+        if len(messages) == 1 and ran and not _as_is(error):
             log.warning(
                 "slot %s: the transaction of message %s could not be completed after its handler ran "
                 "(%s: %s; did the handler change its role or a setting with SET?); the attempt fails",
@@ -86,7 +93,7 @@ class Slot(ClaimLoop, Executor, Completer):
             return
         log.warning("slot %s: batch rolled back (%s); releasing it", self.index, error)
         self._release(messages)
-        if len(messages) > 1 and error.sqlstate not in _RETRY_AS_IS:
+        if len(messages) > 1 and not _as_is(error):
             self._solo = max(self._solo, len(messages))
         self.worker._emit("batch_failed", ids=[m.id for m in messages], error=str(error))
 
