@@ -98,6 +98,8 @@ def _misbehave(message: Message, ctx: Context) -> None:
             ctx.conn.execute("INSERT INTO deferred_children (parent) VALUES (-1)")
         case "serialization_at_commit":  # the first commit fails as a serialization failure would
             ctx.conn.execute("INSERT INTO flaky_rows DEFAULT VALUES")
+        case "cancelled_at_commit":  # every commit's statement cancelled, as a statement_timeout does
+            ctx.conn.execute("INSERT INTO cancelled_rows DEFAULT VALUES")
         case "exit":
             raise SystemExit(3)
         case "keyboard_interrupt":

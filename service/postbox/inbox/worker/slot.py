@@ -29,10 +29,12 @@ __all__ = ["Slot"]
 
 log = logging.getLogger("postbox.worker")
 
-# A batch whose transaction fails with an error of these SQLSTATE classes is given back as it is:
-# nothing a handler did, and a retry may well succeed (a serialization failure or deadlock, a lost
-# connection, the server short of resources or being shut down, a lock not available in time).
-_RETRY_AS_IS = ("40", "08", "53", "55", "57", "58", "XX")
+# A batch whose transaction fails with an error of these SQLSTATEs (classes, or their first three
+# characters) is given back as it is: nothing a handler did, and a retry may well succeed (a
+# serialization failure or deadlock, a lost connection, the server short of resources or shutting
+# down, a lock not available in time). A cancelled statement (57014) is not among them: a
+# handler's SET LOCAL statement_timeout would repeat it without end.
+_RETRY_AS_IS = ("40", "08", "53", "55", "57P", "58", "XX")
 
 
 def _as_is(error: psycopg.Error) -> bool:
@@ -60,8 +62,15 @@ class Slot(ClaimLoop, Executor, Completer):
             self._finish(batch.done, batch.failures, batch.unrun)
         except TransactionEnded as ended:
             self._settle_ended(batch, ended.culprit)
-        except psycopg.OperationalError:
+        except psycopg.OperationalError as error:
             self._check_abandoned()
+            conn = self.conn
+            if conn is not None and not conn.closed and not conn.broken:
+                # Refused by the server on a live connection (a cancelled statement, 57014): the
+                # batch's transaction failed as a whole, as below.
+                self._rollback()
+                self._settle_refused(batch, error)
+                return
             self._recover(batch)
             raise
         except psycopg.Error as error:
