@@ -49,6 +49,10 @@ SELECT k.consumer, count(*), min(k.gap_since)
    AND CAST(:now AS timestamptz) - k.gap_since > c.gap_timeout
  GROUP BY k.consumer;
 
+-- name: dedup_window_seconds
+-- The deduplication window in force, in seconds (read before setting it, to log a change).
+SELECT extract(epoch FROM retention)::float8 FROM postbox.dedup_window;
+
 -- name: dedup_window_set
 -- The deduplication window from the configuration (receives use it: a message received again later
 -- than this after its first receipt is new). Returns the window in force.

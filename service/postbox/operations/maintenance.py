@@ -230,22 +230,17 @@ class Maintenance:
             conn.execute(query("maintenance_register").psycopg, {"jobs": list(JOBS)})
             # Receives judge the deduplication window exactly by this (pruning only reclaims space).
             seconds = self.settings.dedup_retention_seconds
-            row = conn.execute(
-                "SELECT extract(epoch FROM retention)::float8 FROM postbox.dedup_window"
-            ).fetchone()
+            row = conn.execute(query("dedup_window_seconds").psycopg).fetchone()
+            before = float(row[0]) if row is not None and row[0] is not None else None
             conn.execute(query("dedup_window_set").psycopg, {"seconds": seconds})
             conn.commit()
-            if row is not None and row[0] is not None and abs(float(row[0]) - seconds) > 1e-6:
+            if before is not None and abs(before - seconds) > 1e-6:
                 log.log(
-                    logging.WARNING if seconds < float(row[0]) else logging.INFO,
+                    logging.WARNING if seconds < before else logging.INFO,
                     "deduplication window changed from %g s to %g s (dedup_retention_seconds)",
-                    float(row[0]),
+                    before,
                     seconds,
-                    extra={
-                        "event": "dedup_window_changed",
-                        "from_seconds": float(row[0]),
-                        "to_seconds": seconds,
-                    },
+                    extra={"event": "dedup_window_changed", "from_seconds": before, "to_seconds": seconds},
                 )
             if not check_server(conn) and "vacuum_queues" in self.jobs:
                 # Leave its runs to a process that may vacuum (each job runs once per period).

@@ -90,7 +90,7 @@ class Slot(ClaimLoop, Executor, Completer):
         so, after its handler ran, fails its attempt with that error (retried, then dead-lettered),
         and the others are done."""
         messages = batch.messages
-        ran = [m for m in (*batch.done, *(f.message for f in batch.failures)) if m is messages[0]]
+        ran = any(m is messages[0] for m in (*batch.done, *(f.message for f in batch.failures)))
         if len(messages) == 1 and ran and not _as_is(error):
             log.warning(
                 "slot %s: the transaction of message %s could not be completed after its handler ran "
