@@ -7,6 +7,7 @@ A service is anything of the :class:`Service` shape; :func:`run_process` runs on
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import queue
@@ -201,6 +202,10 @@ def run_process(service: Service, spec: ProcessSpec) -> int:
         readiness.phase = "starting"
         if spec.before_start is not None:
             spec.before_start()
+        # What startup made (modules, the app, settings) lives as long as the process: kept out of
+        # every later collection, whose full passes would otherwise walk it again and again.
+        gc.collect()
+        gc.freeze()
         service.start()
         readiness.phase = "running"
         try:
