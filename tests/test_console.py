@@ -172,6 +172,7 @@ def test_a_post_without_the_csrf_token_is_refused(client, shop):
 
 BAD_INPUT = [
     ({"op": "edit", "payload": "{not json", "reason": "fix"}, "the payload is not JSON"),
+    ({"op": "edit", "payload": '{"a": NaN}', "reason": "fix"}, "NaN is not a JSON value"),
     ({"op": "edit", "payload": '{"a": 1}', "reason": " "}, "give a reason"),
     ({"op": "edit", "id": "999999", "payload": "{}", "reason": "fix"}, "no dead letter 999999"),
     ({"op": "edit", "id": "abc", "payload": "{}", "reason": "fix"}, "id must be a whole number"),
@@ -273,6 +274,10 @@ def test_operators_halt_and_resume_a_consumer_resolve_discard_and_steer_a_replay
     act = {"csrf_token": token, "reason": "console test"}
     halted = _confirm(client, {**act, "op": "consumer", "consumer": "orders", "verb": "halt"})
     assert "consumer orders halted" in halted and 'class="halted"' in client.get("/overview/panel").text
+    again = _confirm(
+        client, {**act, "reason": "twice", "op": "consumer", "consumer": "orders", "verb": "halt"}
+    )
+    assert "consumer orders was already halted (console test)" in again
     assert "consumer orders resumed" in _confirm(
         client, {**act, "op": "consumer", "consumer": "orders", "verb": "resume"}
     )

@@ -372,6 +372,10 @@ def test_cli_refuses_bad_input_cleanly(blocked):
         (("replay", "status", "999"), "Error: replay job 999 does not exist"),
         (("dlq", "edit", "999", "--payload", "{}", "--reason", "x"), "Error: dead letter 999 does not exist"),
         (("dlq", "edit", "1", "--payload", "{nope", "--reason", "x"), "not JSON"),
+        (
+            ("dlq", "edit", "1", "--payload", '{"a": -Infinity}', "--reason", "x"),
+            "-Infinity is not a JSON value",
+        ),
         (("dlq", "replay", "--queue", "stock", "--rate", "0", "--reason", "x"), "rate"),
         (("dlq", "replay", "--queue", "nobody", "--reason", "x"), "matches no open dead letter"),
         (("dlq", "show", "424242"), "does not exist"),

@@ -175,6 +175,32 @@ def test_an_async_handler_cannot_commit_the_workers_transaction(effects_db):
     assert scalar(url, "SELECT reason FROM postbox.dead_letters") == "handler_ended_transaction"
 
 
+@pytest.mark.parametrize("batch", [False, True], ids=["handler", "batch_handler"])
+def test_an_object_whose_call_is_async_is_run_as_an_async_handler(effects_db, batch):
+    """A handler object whose ``__call__`` is ``async def`` gets the async context, as an ``async
+    def`` function does (it was called with the sync one, and its ``await ctx.conn.execute`` failed
+    every attempt); its effect commits once."""
+    url = effects_db.url
+
+    class Handler:
+        async def __call__(self, message: Any, ctx: Any) -> None:
+            assert isinstance(ctx, postbox.AsyncBatchContext if batch else postbox.AsyncContext)
+            for m in message if batch else [message]:
+                await ctx.conn.execute(
+                    "INSERT INTO effects (message_id, key, attempt) VALUES (%s, 'object', %s)",
+                    (m.message_id, m.attempt),
+                )
+
+    registry = postbox.Registry()
+    registry.add(Handler(), "orders", batch=batch)
+    with psycopg.connect(url) as c:
+        postbox.receive(c, consumer="orders", message_id="m1", key="k", payload={})
+    with postbox.Worker(url, registry, consumer="orders", **FAST_WORKER):
+        eventually(lambda: scalar(url, "SELECT count(*) FROM postbox.inbox") == 0, what="done")
+    assert effects(url, "object") == {"m1": [1]}
+    assert scalar(url, "SELECT count(*) FROM postbox.dead_letters") == 0
+
+
 def test_a_worker_in_a_thread_with_the_context_manager_handles_and_stops(effects_db):
     """``with Worker(...)`` starts the worker's threads and stops them (unregistered) at the end."""
     url = effects_db.url

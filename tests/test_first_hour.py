@@ -88,6 +88,24 @@ def test_halting_a_consumer_nobody_knows_is_an_error_naming_the_close_one(databa
     assert ok.returncode == 0 and "consumer orders halted" in ok.stdout
 
 
+def test_halting_a_halted_consumer_says_so_and_keeps_the_first_halts_reason(database, conn):
+    """A second halt said "halted" again, as if it had done something: it now names the halt in
+    force (its time and reason), which stands, and audits nothing."""
+    conn.execute("SELECT postbox.inbox_receive('orders', 'm1', '{}'::jsonb)")
+    conn.commit()
+    first = _postbox("--database-url", database.url, "consumer", "halt", "orders", "--reason", "ERP down")
+    assert first.returncode == 0 and "consumer orders halted" in first.stdout
+    again = _postbox("--database-url", database.url, "consumer", "halt", "orders", "--reason", "deploy")
+    assert again.returncode == 0, again.stderr
+    assert "consumer orders was already halted (since " in again.stdout
+    assert "reason: ERP down); nothing changed" in again.stdout
+    assert (
+        scalar(database.url, "SELECT halted_reason FROM postbox.consumers WHERE name = 'orders'")
+        == "ERP down"
+    )
+    assert scalar(database.url, "SELECT count(*) FROM postbox.audit_log WHERE action = 'consumer_halt'") == 1
+
+
 @pytest.mark.parametrize(
     ("text", "complaint"),
     [

@@ -118,6 +118,34 @@ def test_gapless_late_duplicate_sequence_is_dead_lettered(db):
     )
 
 
+@pytest.mark.parametrize("late_policy", ["dead_letter", "skip", "process"])
+def test_gapless_sequence_below_first_sequence_is_late_and_the_key_starts_at_first(db, late_policy):
+    """gapless, first_sequence 5: a message with sequence 3, on a key that has processed nothing, is
+    late (its late_policy applies) and the key starts at 5. It was taken for the key's start: it ran
+    first, and the key then waited for 4 for ever."""
+    url = db.url
+    with psycopg.connect(url) as c:
+        postbox.declare_consumer(c, "g", sequence_mode="gapless", first_sequence=5, late_policy=late_policy)
+        c.commit()
+    receive(url, "g", 3, 5, 6)
+    w = run_worker(url, "g")
+    try:
+        done = 3 if late_policy == "process" else 2
+        eventually(lambda: scalar(url, "SELECT count(*) FROM effects") == done, what="the key ran")
+        eventually(lambda: scalar(url, "SELECT count(*) FROM postbox.inbox") == 0, what="nothing left")
+    finally:
+        w.stop()
+        w.join()
+    assert effects(url) == ("3,5,6" if late_policy == "process" else "5,6")
+    assert scalar(url, "SELECT count(*) FROM postbox.key_gaps") == 0
+    dead = scalar(url, "SELECT row(message_id, reason, status, last_error)::text FROM postbox.dead_letters")
+    if late_policy == "process":
+        assert dead is None
+    else:
+        status = "open" if late_policy == "dead_letter" else "discarded"
+        assert dead == f'(m3,late,{status},"sequence 3 is below the first_sequence 5 of consumer g")'
+
+
 def test_monotonic_runs_lowest_present_sequence_first_and_flags_late_ones(db):
     """monotonic: 5 then 3 arriving before processing run as 3, 5; a 4 arriving after 5 is late."""
     url = db.url

@@ -37,6 +37,7 @@ RELEASED = {
     "0012": "9db1b3c02ba4e1ca313c86722e7b5c6db08749e0242aea862bc0a4e547404938",  # 0.11.0
     "0013": "780d69928271b3b0bb63b859152330b8e7e798ed3e41bc53e7ba33fce4e64bb3",  # 0.12.0
     "0014": "8cb247aec3e37950e5f323b519189a23f6dfb2c94476978270d1411d02f26295",  # 0.15.0
+    "0015": "1631a06ab346c4ab25288b65eab0fee120ff89129cbbc2b1ac12c811024f6ca5",  # 0.16.0
 }
 
 
@@ -108,6 +109,7 @@ def test_the_schema_revision_the_code_needs_is_the_newest_it_ships():
         "0012",
         "0013",
         "0014",
+        "0015",
     ]
 
 
@@ -306,7 +308,22 @@ def test_the_previous_release_keeps_working_on_the_new_schema_and_says_so(databa
 
 @pytest.mark.parametrize(
     "revision",
-    ["0002", "0003", "0004", "0005", "0006", "0007", "0008", "0009", "0010", "0011", "0012", "0013", "0014"],
+    [
+        "0002",
+        "0003",
+        "0004",
+        "0005",
+        "0006",
+        "0007",
+        "0008",
+        "0009",
+        "0010",
+        "0011",
+        "0012",
+        "0013",
+        "0014",
+        "0015",
+    ],
 )
 def test_a_downgrade_leaves_exactly_the_previous_revisions_schema(pg_server, revision):
     """A revision's downgrade restores what the revision before it made: a database upgraded to

@@ -25,6 +25,7 @@ __all__ = [
     "check_text",
     "from_json",
     "json_plainly_ok",
+    "json_text_value",
     "to_json",
     "to_sql_json",
     "utf8_size",
@@ -234,3 +235,14 @@ to_sql_json = json.JSONEncoder(ensure_ascii=False, separators=(", ", ": "), allo
 def utf8_size(text: str) -> int:
     """Bytes of ``text`` in UTF-8."""
     return len(text) if text.isascii() else len(text.encode("utf-8"))
+
+
+def _not_json(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON value (PostgreSQL's jsonb has no NaN or Infinity)")
+
+
+def json_text_value(text: str) -> Any:
+    """JSON text a person typed (a payload to edit), parsed as ``json.loads`` does but refusing
+    ``NaN``, ``Infinity`` and ``-Infinity``, which Python's parser takes and jsonb does not: a
+    ``ValueError`` (``json.JSONDecodeError`` for text that is not JSON at all)."""
+    return json.loads(text, parse_constant=_not_json)

@@ -101,6 +101,10 @@ ORDER BY 1;
 -- name: consumer_halt
 SELECT postbox.consumer_halt_op_v1(:consumer, :reason, :actor);
 
+-- name: consumer_halted
+-- Since when and why the consumer is halted (no row: it is not).
+SELECT halted_at, halted_reason FROM postbox.consumers WHERE name = :consumer AND halted_at IS NOT NULL;
+
 -- name: consumer_resume
 SELECT postbox.consumer_resume_op_v1(:consumer, :reason, :actor);
 

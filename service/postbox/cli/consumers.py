@@ -42,7 +42,14 @@ def consumer_halt(ctx: click.Context, name: str, reason: str, actor: str) -> Non
     """Halt a consumer: its workers claim nothing until it is resumed."""
     with connection(ctx) as conn:
         _known(conn, name)
-        deadletter.halt_consumer(conn, name, reason, actor)
+        already = deadletter.consumer_halted(conn, name)
+        if already is None:
+            deadletter.halt_consumer(conn, name, reason, actor)
+    if already is not None:  # the first halt's time and reason stand; nothing is audited
+        since = f"{already['halted_at']:%Y-%m-%d %H:%M:%S %Z}".rstrip()
+        why = f", reason: {already['halted_reason']}" if already["halted_reason"] else ""
+        click.echo(f"consumer {name} was already halted (since {since}{why}); nothing changed")
+        return
     click.echo(f"consumer {name} halted")
 
 

@@ -8,7 +8,6 @@ thin layers over SQL functions a DBA can call directly.
 
 from __future__ import annotations
 
-import json
 import sys
 from collections.abc import Callable
 from typing import Any, Literal, cast
@@ -33,6 +32,7 @@ from postbox.cli.replay import report, run_in_foreground
 from postbox.deadletters import ops as deadletter
 from postbox.deadletters import replay
 from postbox.deadletters.replay import ReplayOptions
+from postbox.values import json_text_value
 
 __all__ = ["dlq"]
 
@@ -228,8 +228,8 @@ def dlq_edit(
         raise click.UsageError("give exactly one of --payload or --payload-file")
     raw = payload_text if payload_text is not None else payload_file.read()
     try:
-        payload = json.loads(raw)
-    except json.JSONDecodeError as error:
+        payload = json_text_value(raw)
+    except ValueError as error:
         raise click.BadParameter(f"not JSON: {error}", param_hint="--payload") from None
     with connection(ctx) as conn:
         version = deadletter.edit_payload(conn, dead_letter_id, payload, reason, actor)

@@ -28,6 +28,7 @@ from postbox.console.web import Console, console_of, render
 from postbox.deadletters import ops, replay
 from postbox.deadletters.ops import DeadLetterFilter
 from postbox.deadletters.replay import ReplayOptions
+from postbox.values import json_text_value
 
 __all__ = ["BadInput", "act"]
 
@@ -103,8 +104,8 @@ def _selection(conn: Conn, form: FormData) -> tuple[DeadLetterFilter, str, str]:
 def _plan_edit(conn: Conn, form: FormData) -> Plan:
     dead_letter_id, reason = _id(form, "id"), _reason(form)
     try:
-        payload = json.loads(str(form.get("payload") or ""))
-    except json.JSONDecodeError as error:
+        payload = json_text_value(str(form.get("payload") or ""))
+    except ValueError as error:
         raise BadInput(f"the payload is not JSON: {error}") from None
     row = ops.show(conn, dead_letter_id)
     if row is None:
@@ -208,6 +209,9 @@ def _plan_consumer(conn: Conn, form: FormData) -> Plan:
 
     def run(c: Conn, actor: str) -> str:
         if verb == "halt":
+            already = ops.consumer_halted(c, name)
+            if already is not None:  # the first halt's reason stands; nothing is audited
+                return f"consumer {name} was already halted ({already['halted_reason'] or 'no reason given'})"
             ops.halt_consumer(c, name, reason, actor)
             return f"consumer {name} halted"
         return f"consumer {name} {'resumed' if ops.resume_consumer(c, name, reason, actor) else 'was not halted'}"

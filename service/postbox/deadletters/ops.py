@@ -24,6 +24,7 @@ __all__ = [
     "HistoryEvent",
     "audit_trail",
     "blocked_keys",
+    "consumer_halted",
     "discard",
     "edit_payload",
     "explain",
@@ -175,6 +176,12 @@ def halt_consumer(
 ) -> None:
     """Halt a consumer: its workers claim nothing until it is resumed."""
     run_dicts(conn, query("consumer_halt"), {"consumer": consumer, "reason": reason, "actor": actor})
+
+
+def consumer_halted(conn: psycopg.Connection[Any], consumer: str) -> Row | None:
+    """Since when (``halted_at``) and why (``halted_reason``) ``consumer`` is halted; None if it is not."""
+    rows = run_dicts(conn, query("consumer_halted"), {"consumer": consumer})
+    return rows[0] if rows else None
 
 
 def resume_consumer(

@@ -9,7 +9,7 @@ import inspect
 import logging
 import threading
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import psycopg
 from psycopg.types.json import set_json_loads
@@ -31,9 +31,15 @@ from postbox.values import from_json
 if TYPE_CHECKING:
     from postbox.inbox.worker.worker import Worker
 
-__all__ = ["JoinedAsyncSession", "JoinedSession", "SlotBase"]
+__all__ = ["JoinedAsyncSession", "JoinedSession", "SlotBase", "is_async"]
 
 log = logging.getLogger("postbox.worker")
+
+
+def is_async(func: Any) -> bool:
+    """Whether a handler is run as async, with an async context: an ``async def`` (or a partial of
+    one), or an object whose ``__call__`` is one."""
+    return inspect.iscoroutinefunction(func) or inspect.iscoroutinefunction(type(func).__call__)
 
 
 class JoinedSession(Session):
@@ -88,7 +94,7 @@ class SlotBase:
         # (Slot._process): each then answers for itself.
         self._solo = 0
         self._has_async = any(
-            inspect.iscoroutinefunction(spec.func)
+            is_async(spec.func)
             for (consumer, _), spec in worker.registry.handlers.items()
             if consumer == worker.settings.consumer
         )
