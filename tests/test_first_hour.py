@@ -205,6 +205,34 @@ def test_a_json_log_stream_is_json_to_the_last_line_and_failures_carry_the_error
     assert where == ("failing", "k-json", "j1", 1)
     assert failed["decision"] in ("retry", "dead_letter")
     assert any(entry.get("event") == "process" and "stopping" in entry["msg"] for entry in lines)
+    assert not any("is not declared" in entry["msg"] for entry in lines)  # no consumer is
+
+
+def test_a_worker_for_an_undeclared_consumer_says_producers_are_refused_while_others_are_declared(
+    database, conn, tmp_path
+):
+    """Once a consumer is declared, the database refuses messages for an undeclared one: a worker
+    started for one without it in the configuration file says so, and how to declare it (it started
+    and reported ready without a word). It does not declare it: that would make the database refuse
+    every other undeclared consumer's messages."""
+    postbox.declare_consumer(conn, "billing")
+    conn.commit()
+    log = tmp_path / "worker.log"
+    with open(log, "wb") as out:
+        p = spawn_postbox(
+            "--database-url", database.url, "--log-format", "json", "worker", "--consumer", "failing",
+            "--app", "tests.apps.failing:registry", "--poll-interval", "0.1", stderr=out.fileno(),
+        )  # fmt: skip
+    try:
+        eventually(lambda: "is not declared" in log.read_text(), what="the warning")
+    finally:
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(30) == 0
+    warning = next(json.loads(line) for line in log.read_text().splitlines() if "is not declared" in line)
+    assert warning["level"] == "warning"
+    assert "consumer 'failing' is not declared while others are ('billing')" in warning["msg"]
+    assert "[consumers.failing] in the configuration file, or postbox.declare_consumer" in warning["msg"]
+    assert scalar(database.url, "SELECT count(*) FROM postbox.consumers WHERE name = 'failing'") == 0
 
 
 def test_a_process_that_cannot_start_says_why_in_its_log_format(tmp_path):

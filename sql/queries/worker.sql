@@ -14,6 +14,12 @@ SELECT postbox.worker_heartbeat_v2(:id, :kind, :queue, :host, CAST(:pid AS integ
 SELECT postbox.reap_stale_workers_v1(make_interval(secs => CAST(:stale_after AS double precision)),
                                      CAST(:now AS timestamptz));
 
+-- name: consumer_declaration
+-- Whether the consumer is declared, and a few of the consumers that are (any declared one makes
+-- the database refuse messages for an undeclared consumer).
+SELECT EXISTS (SELECT 1 FROM postbox.consumers WHERE name = :consumer AND declared),
+       array(SELECT name FROM postbox.consumers WHERE declared ORDER BY name LIMIT 4);
+
 -- name: worker_unregister
 SELECT postbox.worker_unregister_v1(:id);
 

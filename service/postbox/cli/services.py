@@ -4,6 +4,7 @@ its service and runs it through :func:`postbox.cli.context.run_service` (one pro
 from __future__ import annotations
 
 import importlib
+import logging
 import os
 import sys
 from typing import Any, Protocol
@@ -20,6 +21,8 @@ from postbox.config.policies import (
     load_policies,
     sql_functions,
 )
+from postbox.db import query
+from postbox.db.connector import run
 from postbox.failures.breaker import BreakerSettings
 from postbox.failures.policy import RetryPolicy
 from postbox.inbox.consumers import declare_consumer
@@ -28,6 +31,8 @@ from postbox.inbox.sql_handlers import check_function_exists
 from postbox.inbox.worker import Worker, WorkerSettings
 
 __all__ = ["bridge", "relay", "worker"]
+
+log = logging.getLogger("postbox.worker")
 
 
 def _policies(ctx: click.Context) -> PoliciesConfig:
@@ -119,8 +124,12 @@ def _registry(policies: PoliciesConfig, consumer: str, app: str | None) -> Regis
 
 
 def _declare(url: str, policies: PoliciesConfig, consumer: str) -> None:
-    """Declare the consumer as the file describes it, and check its SQL-function handlers exist."""
+    """Declare the consumer as the file describes it, and check its SQL-function handlers exist.
+    A consumer the file does not describe is left as it is, with a warning if producers' messages
+    for it are refused (it is not declared, and others are)."""
     policy = policies.consumers.get(consumer)
+    if policy is None:
+        _warn_if_undeclared(url, consumer)
     if policy is not None:
         with psycopg.connect(url) as conn:
             declare_consumer(
@@ -138,6 +147,21 @@ def _declare(url: str, policies: PoliciesConfig, consumer: str) -> None:
         with psycopg.connect(url) as conn:
             for function in functions:
                 check_function_exists(conn, function)
+
+
+def _warn_if_undeclared(url: str, consumer: str) -> None:
+    """Declaring it here would make the database refuse every other undeclared consumer's
+    messages: only say what to do."""
+    with psycopg.connect(url) as conn:
+        ((declared, others),) = run(conn, query("consumer_declaration"), {"consumer": consumer})
+    if declared or not others:
+        return
+    names = ", ".join(repr(n) for n in others[:3]) + (", ..." if len(others) > 3 else "")
+    log.warning(
+        "consumer %r is not declared while others are (%s): the database refuses producers' messages "
+        "for it; declare it ([consumers.%s] in the configuration file, or postbox.declare_consumer)",
+        consumer, names, consumer,
+    )  # fmt: skip
 
 
 @click.command()
