@@ -206,6 +206,7 @@ def test_a_json_log_stream_is_json_to_the_last_line_and_failures_carry_the_error
     assert failed["decision"] in ("retry", "dead_letter")
     assert any(entry.get("event") == "process" and "stopping" in entry["msg"] for entry in lines)
     assert not any("is not declared" in entry["msg"] for entry in lines)  # no consumer is
+    assert not any("window in force" in entry["msg"] for entry in lines)  # the default window covers it
 
 
 def test_a_worker_for_an_undeclared_consumer_says_producers_are_refused_while_others_are_declared(
@@ -233,6 +234,31 @@ def test_a_worker_for_an_undeclared_consumer_says_producers_are_refused_while_ot
     assert "consumer 'failing' is not declared while others are ('billing')" in warning["msg"]
     assert "[consumers.failing] in the configuration file, or postbox.declare_consumer" in warning["msg"]
     assert scalar(database.url, "SELECT count(*) FROM postbox.consumers WHERE name = 'failing'") == 0
+
+
+def test_a_worker_says_when_the_deduplication_window_in_force_is_shorter_than_its_retries_need(
+    database, conn, tmp_path
+):
+    """The window in force is the one postbox maintain set, from its own settings: a worker whose
+    retries and replay window need more says so at start, naming the setting to raise (it checked
+    only its own settings, and redeliveries past the window were processed twice)."""
+    conn.execute("SELECT postbox.dedup_window_set_v1(3600)")
+    conn.commit()
+    log = tmp_path / "worker.log"
+    with open(log, "wb") as out:
+        p = spawn_postbox(
+            "--database-url", database.url, "--log-format", "json", "worker", "--consumer", "failing",
+            "--app", "tests.apps.failing:registry", "--poll-interval", "0.1", stderr=out.fileno(),
+        )  # fmt: skip
+    try:
+        eventually(lambda: "window in force" in log.read_text(), what="the warning")
+    finally:
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(30) == 0
+    warning = next(json.loads(line) for line in log.read_text().splitlines() if "window in force" in line)
+    assert warning["level"] == "warning"
+    assert warning["msg"].startswith("the deduplication window in force (3600 s, set by postbox maintain)")
+    assert "run postbox maintain with POSTBOX_DEDUP_RETENTION_SECONDS of at least " in warning["msg"]
 
 
 def test_a_process_that_cannot_start_says_why_in_its_log_format(tmp_path):

@@ -56,7 +56,8 @@ TABLES: dict[str, frozenset[str]] = {
     "inbox_dedup_0": READ_ALL,
     "inbox_dedup_1": READ_ALL,
     "inbox_commit_checks": READ_ALL,
-    "dedup_window": READ_ALL | {MAINTAINER},  # maintenance reads the window it set
+    "dedup_window": READ_ALL
+    | {MAINTAINER, WORKER},  # maintenance reads the window it set, a worker checks it
     "inbox_keys": READ_ALL | {MAINTAINER},
     "outbox": READ_ALL,
     "dead_letters": READ_ALL,

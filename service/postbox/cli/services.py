@@ -19,6 +19,7 @@ from postbox.config.policies import (
     check_retention,
     configured_handlers,
     load_policies,
+    retention_needed,
     sql_functions,
 )
 from postbox.db import query
@@ -149,6 +150,28 @@ def _declare(url: str, policies: PoliciesConfig, consumer: str) -> None:
                 check_function_exists(conn, function)
 
 
+def _prepare(url: str, policies: PoliciesConfig, consumer: str, registry: Registry) -> None:
+    """Before a worker starts: its consumer declared (see :func:`_declare`), and the deduplication
+    window in force checked against its handlers' retries."""
+    _declare(url, policies, consumer)
+    horizon, needed = retention_needed(policies, registry, RetryPolicy())
+    try:
+        with psycopg.connect(url) as conn:
+            rows = run(conn, query("dedup_window_seconds"), {})
+    except psycopg.errors.InsufficientPrivilege:  # a schema before 0.16.0 gave workers no SELECT on it
+        log.info("the deduplication window in force is not readable by this login: not checked")
+        return
+    in_force = rows[0][0] if rows else None
+    if in_force is not None and in_force < needed:  # maintain sets it, from its own settings
+        log.warning(
+            "the deduplication window in force (%g s, set by postbox maintain) is shorter than this "
+            "worker's longest retry horizon (%g s) plus replay_window_seconds (%g s): a redelivery "
+            "later than the window would be processed twice; run postbox maintain with "
+            "POSTBOX_DEDUP_RETENTION_SECONDS of at least %g (or the same configuration file)",
+            in_force, horizon, policies.replay_window_seconds, needed,
+        )  # fmt: skip
+
+
 def _warn_if_undeclared(url: str, consumer: str) -> None:
     """Declaring it here would make the database refuse every other undeclared consumer's
     messages: only say what to do."""
@@ -226,7 +249,7 @@ def worker(
         url,
         connect_timeout,
         stop_message="stopping; in-flight messages finish",
-        before_start=lambda: _declare(url, policies, consumer),
+        before_start=lambda: _prepare(url, policies, consumer, registry),
     )
 
 

@@ -68,6 +68,7 @@ __all__ = [
     "kafka_settings_problems",
     "load_policies",
     "missing_secrets",
+    "retention_needed",
     "sql_functions",
 ]
 
@@ -182,9 +183,19 @@ def apply_policies(registry: Registry, config: PoliciesConfig) -> Registry:
 def check_retention(config: PoliciesConfig, registry: Registry, default: RetryPolicy) -> None:
     """Refuse a deduplication window shorter than the longest retry horizon plus the replay window:
     a redelivery after that could be taken for a new message."""
+    _check_horizon(config, _registry_policies(registry, default))
+
+
+def retention_needed(config: PoliciesConfig, registry: Registry, default: RetryPolicy) -> tuple[float, float]:
+    """The longest retry horizon of ``registry``'s handlers, and the deduplication window they need
+    (that horizon plus the replay window), in seconds."""
+    horizon = max(p.horizon_seconds() for p in _registry_policies(registry, default))
+    return horizon, horizon + config.replay_window_seconds
+
+
+def _registry_policies(registry: Registry, default: RetryPolicy) -> list[RetryPolicy]:
     policies = [default, *registry.retry_policies.values()]
-    policies += [s.retry for s in registry.handlers.values() if s.retry is not None]
-    _check_horizon(config, policies)
+    return policies + [s.retry for s in registry.handlers.values() if s.retry is not None]
 
 
 def check_kafka_settings(config: PoliciesConfig, transports: dict[str, Any]) -> None:
