@@ -13,6 +13,7 @@ import threading
 import time
 import uuid
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis
@@ -209,6 +210,23 @@ def test_a_json_log_stream_is_json_to_the_last_line_and_failures_carry_the_error
     assert not any("window in force" in entry["msg"] for entry in lines)  # the default window covers it
 
 
+def _worker_warning(url: str, tmp_path: Path, needle: str) -> dict[str, Any]:
+    """Start a worker (JSON logs) for consumer ``failing``, wait for the log line holding ``needle``,
+    stop it (exit 0); that line."""
+    log = tmp_path / "worker.log"
+    with open(log, "wb") as out:
+        p = spawn_postbox(
+            "--database-url", url, "--log-format", "json", "worker", "--consumer", "failing",
+            "--app", "tests.apps.failing:registry", "--poll-interval", "0.1", stderr=out.fileno(),
+        )  # fmt: skip
+    try:
+        eventually(lambda: needle in log.read_text(), what=needle)
+    finally:
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(30) == 0
+    return next(json.loads(line) for line in log.read_text().splitlines() if needle in line)
+
+
 def test_a_worker_for_an_undeclared_consumer_says_producers_are_refused_while_others_are_declared(
     database, conn, tmp_path
 ):
@@ -218,18 +236,7 @@ def test_a_worker_for_an_undeclared_consumer_says_producers_are_refused_while_ot
     every other undeclared consumer's messages."""
     postbox.declare_consumer(conn, "billing")
     conn.commit()
-    log = tmp_path / "worker.log"
-    with open(log, "wb") as out:
-        p = spawn_postbox(
-            "--database-url", database.url, "--log-format", "json", "worker", "--consumer", "failing",
-            "--app", "tests.apps.failing:registry", "--poll-interval", "0.1", stderr=out.fileno(),
-        )  # fmt: skip
-    try:
-        eventually(lambda: "is not declared" in log.read_text(), what="the warning")
-    finally:
-        p.send_signal(signal.SIGTERM)
-        assert p.wait(30) == 0
-    warning = next(json.loads(line) for line in log.read_text().splitlines() if "is not declared" in line)
+    warning = _worker_warning(database.url, tmp_path, "is not declared")
     assert warning["level"] == "warning"
     assert "consumer 'failing' is not declared while others are ('billing')" in warning["msg"]
     assert "[consumers.failing] in the configuration file, or postbox.declare_consumer" in warning["msg"]
@@ -244,18 +251,7 @@ def test_a_worker_says_when_the_deduplication_window_in_force_is_shorter_than_it
     only its own settings, and redeliveries past the window were processed twice)."""
     conn.execute("SELECT postbox.dedup_window_set_v1(3600)")
     conn.commit()
-    log = tmp_path / "worker.log"
-    with open(log, "wb") as out:
-        p = spawn_postbox(
-            "--database-url", database.url, "--log-format", "json", "worker", "--consumer", "failing",
-            "--app", "tests.apps.failing:registry", "--poll-interval", "0.1", stderr=out.fileno(),
-        )  # fmt: skip
-    try:
-        eventually(lambda: "window in force" in log.read_text(), what="the warning")
-    finally:
-        p.send_signal(signal.SIGTERM)
-        assert p.wait(30) == 0
-    warning = next(json.loads(line) for line in log.read_text().splitlines() if "window in force" in line)
+    warning = _worker_warning(database.url, tmp_path, "window in force")
     assert warning["level"] == "warning"
     assert warning["msg"].startswith("the deduplication window in force (3600 s, set by postbox maintain)")
     assert "run postbox maintain with POSTBOX_DEDUP_RETENTION_SECONDS of at least " in warning["msg"]
