@@ -131,7 +131,7 @@ def _declare(url: str, policies: PoliciesConfig, consumer: str) -> None:
     policy = policies.consumers.get(consumer)
     if policy is None:
         _warn_if_undeclared(url, consumer)
-    if policy is not None:
+    else:
         with psycopg.connect(url) as conn:
             declare_consumer(
                 conn,
