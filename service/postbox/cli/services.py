@@ -124,59 +124,35 @@ def _registry(policies: PoliciesConfig, consumer: str, app: str | None) -> Regis
     return registry
 
 
-def _declare(url: str, policies: PoliciesConfig, consumer: str) -> None:
-    """Declare the consumer as the file describes it, and check its SQL-function handlers exist.
-    A consumer the file does not describe is left as it is, with a warning if producers' messages
-    for it are refused (it is not declared, and others are)."""
-    policy = policies.consumers.get(consumer)
-    if policy is None:
-        _warn_if_undeclared(url, consumer)
-    else:
-        with psycopg.connect(url) as conn:
-            declare_consumer(
-                conn,
-                consumer,
-                sequence_mode=policy.sequence_mode,
-                first_sequence=policy.first_sequence,
-                late_policy=policy.late_policy,
-                on_dead_letter=policy.on_dead_letter,
-                gap_timeout_seconds=policy.gap_timeout_seconds,
-            )
-            conn.commit()
-    functions = sql_functions(policies, consumer)
-    if functions:
-        with psycopg.connect(url) as conn:
-            for function in functions:
-                check_function_exists(conn, function)
-
-
 def _prepare(url: str, policies: PoliciesConfig, consumer: str, registry: Registry) -> None:
-    """Before a worker starts: its consumer declared (see :func:`_declare`), and the deduplication
-    window in force checked against its handlers' retries."""
-    _declare(url, policies, consumer)
-    horizon, needed = retention_needed(policies, registry, RetryPolicy())
-    try:
-        with psycopg.connect(url) as conn:
-            rows = run(conn, query("dedup_window_seconds"), {})
-    except psycopg.errors.InsufficientPrivilege:  # a schema before 0.16.0 gave workers no SELECT on it
-        log.info("the deduplication window in force is not readable by this login: not checked")
+    """Before a worker starts, on one connection: its consumer declared (see :func:`_declare`), its
+    SQL-function handlers checked, and the deduplication window in force checked against its
+    handlers' retries."""
+    with psycopg.connect(url, autocommit=True) as conn:
+        _declare(conn, policies, consumer)
+        for function in sql_functions(policies, consumer):
+            check_function_exists(conn, function)
+        _check_window(conn, policies, registry)
+
+
+def _declare(conn: psycopg.Connection[Any], policies: PoliciesConfig, consumer: str) -> None:
+    """Declare the consumer as the file describes it. A consumer the file does not describe is left
+    as it is (declaring it would make the database refuse every other undeclared consumer's
+    messages), with a warning if producers' messages for it are refused: it is not declared, and
+    others are."""
+    policy = policies.consumers.get(consumer)
+    if policy is not None:
+        declare_consumer(
+            conn,
+            consumer,
+            sequence_mode=policy.sequence_mode,
+            first_sequence=policy.first_sequence,
+            late_policy=policy.late_policy,
+            on_dead_letter=policy.on_dead_letter,
+            gap_timeout_seconds=policy.gap_timeout_seconds,
+        )
         return
-    in_force = rows[0][0] if rows else None
-    if in_force is not None and in_force < needed:  # maintain sets it, from its own settings
-        log.warning(
-            "the deduplication window in force (%g s, set by postbox maintain) is shorter than this "
-            "worker's longest retry horizon (%g s) plus replay_window_seconds (%g s): a redelivery "
-            "later than the window would be processed twice; run postbox maintain with "
-            "POSTBOX_DEDUP_RETENTION_SECONDS of at least %g (or the same configuration file)",
-            in_force, horizon, policies.replay_window_seconds, needed,
-        )  # fmt: skip
-
-
-def _warn_if_undeclared(url: str, consumer: str) -> None:
-    """Declaring it here would make the database refuse every other undeclared consumer's
-    messages: only say what to do."""
-    with psycopg.connect(url) as conn:
-        ((declared, others),) = run(conn, query("consumer_declaration"), {"consumer": consumer})
+    ((declared, others),) = run(conn, query("consumer_declaration"), {"consumer": consumer})
     if declared or not others:
         return
     names = ", ".join(repr(n) for n in others[:3]) + (", ..." if len(others) > 3 else "")
@@ -185,6 +161,26 @@ def _warn_if_undeclared(url: str, consumer: str) -> None:
         "for it; declare it ([consumers.%s] in the configuration file, or postbox.declare_consumer)",
         consumer, names, consumer,
     )  # fmt: skip
+
+
+def _check_window(conn: psycopg.Connection[Any], policies: PoliciesConfig, registry: Registry) -> None:
+    """Warn if the deduplication window in force, which ``maintain`` sets from its own settings, is
+    shorter than this worker's handlers' retries plus the replay window need."""
+    horizon, needed = retention_needed(policies, registry, RetryPolicy())
+    try:
+        rows = run(conn, query("dedup_window_seconds"), {})
+    except psycopg.errors.InsufficientPrivilege:  # a schema before 0.16.0 gave workers no SELECT on it
+        log.info("the deduplication window in force is not readable by this login: not checked")
+        return
+    in_force = rows[0][0] if rows else None
+    if in_force is not None and in_force < needed:
+        log.warning(
+            "the deduplication window in force (%g s, set by postbox maintain) is shorter than this "
+            "worker's longest retry horizon (%g s) plus replay_window_seconds (%g s): a redelivery "
+            "later than the window would be processed twice; run postbox maintain with "
+            "POSTBOX_DEDUP_RETENTION_SECONDS of at least %g (or the same configuration file)",
+            in_force, horizon, policies.replay_window_seconds, needed,
+        )  # fmt: skip
 
 
 @click.command()

@@ -93,11 +93,13 @@ class SlotBase:
         # Claims still to make one message at a time, after a batch that could not be completed
         # (Slot._process): each then answers for itself.
         self._solo = 0
-        self._has_async = any(
-            is_async(spec.func)
+        # This consumer's handlers that run as async, decided once (ids: a spec holds its function).
+        self._async_funcs = frozenset(
+            id(spec.func)
             for (consumer, _), spec in worker.registry.handlers.items()
-            if consumer == worker.settings.consumer
+            if consumer == worker.settings.consumer and is_async(spec.func)
         )
+        self._has_async = bool(self._async_funcs)
 
     @property
     def alive(self) -> bool:

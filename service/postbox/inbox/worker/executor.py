@@ -34,7 +34,7 @@ from postbox.inbox.handlers import (
     HandlerSpec,
     Message,
 )
-from postbox.inbox.worker.base import SlotBase, is_async
+from postbox.inbox.worker.base import SlotBase
 from postbox.inbox.worker.settings import (
     ABANDON_AFTER,
     Abandoned,
@@ -67,7 +67,7 @@ class Executor(SlotBase):
         if spec.batch:
             return self._run_batch_handler(spec, [message])
         timeout = self._arm(spec)
-        if self.aconn is not None and is_async(spec.func):
+        if self.aconn is not None and id(spec.func) in self._async_funcs:
             outcome = self._run_async(spec, message, timeout)
         else:
             outcome = self._run_sync(spec, message, timeout)
@@ -81,7 +81,7 @@ class Executor(SlotBase):
         assert self.conn is not None
         timeout = self._arm(spec)
         func = spec.func
-        if self.aconn is not None and is_async(func):
+        if self.aconn is not None and id(func) in self._async_funcs:
             actx = AsyncBatchContext(messages, self.aconn, self._async_session_factory)
             outcome = self._call_async(lambda: func(list(messages), actx), actx, timeout)  # type: ignore[arg-type]
         else:
